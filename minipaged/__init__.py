@@ -1,0 +1,5 @@
+"""minipaged: PagedAttention, the KV-cache paging at the heart of vLLM, built up step by step."""
+
+from .errors import (CheckpointError, MiniPagedError, OutOfBlocksError, RequestError,
+                     TokenizerError)
+from .model import Llama, ModelArgs

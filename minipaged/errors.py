@@ -1,0 +1,25 @@
+"""The errors a user of minipaged can run into.
+
+Each one carries a sentence that says what went wrong and what to do about it, so the
+command-line tools can print the message instead of a traceback.
+"""
+
+
+class MiniPagedError(Exception):
+    """Base class: something the user can fix (a path, an argument, a budget)."""
+
+
+class CheckpointError(MiniPagedError):
+    """A model checkpoint is missing, incomplete, or not in a format minipaged reads."""
+
+
+class TokenizerError(MiniPagedError):
+    """A tokenizer file is missing or not in tiktoken's `base64(token) rank` format."""
+
+
+class RequestError(MiniPagedError):
+    """A generation request that cannot be served as asked (empty prompt, too long, bad id...)."""
+
+
+class OutOfBlocksError(MiniPagedError):
+    """The KV cache has no room left; nothing was allocated by the failing call."""

@@ -1,0 +1,112 @@
+"""Stage 1: the naive, contiguous KV cache — reserved up front, the way Meta's reference does it.
+
+Every sequence slot gets `max_seq_len` positions in every layer before it has produced a single
+token. Most of those slots are never used: that waste is what paging (stages 2-3) wins back.
+
+The model talks to any cache through three calls, so stage 3's paged cache can replace this one
+without the model noticing:
+
+    cache.prepare(seq_ids, num_new_tokens)  # before a forward: which sequences, how many tokens
+    cache.cache_seqlens                      # (B,) int32: tokens already stored, per row
+    cache.attend(layer, q, k, v)             # store the new k/v, attend q over everything stored
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .errors import OutOfBlocksError, RequestError
+
+
+def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=None):
+    """Attend `q` to the first `seqlens_k[b]` keys of row b (the one attention both caches share).
+
+    q (B, Sq, Hq, D); k_ctx, v_ctx (B, L, Hk, D) with Hq a multiple of Hk (grouped-query
+    attention); seqlens_k (B,) — valid keys per row, the newest Sq of them belonging to the
+    queries themselves. With `causal`, query i of row b sees key j only if
+    j <= i + seqlens_k[b] - Sq: the mask is aligned bottom-right, as in flash-attn.
+    """
+    B, Sq, Hq, D = q.shape
+    L = k_ctx.shape[1]
+    scale = softmax_scale if softmax_scale is not None else D ** -0.5
+    key_pos = torch.arange(L, device=q.device)                      # (L,)
+    seqlens_k = seqlens_k.to(device=q.device, dtype=torch.long)
+    mask = key_pos[None, None, :] < seqlens_k[:, None, None]         # (B, 1, L)
+    if causal:
+        last_visible = seqlens_k[:, None] - Sq + torch.arange(Sq, device=q.device)  # (B, Sq)
+        mask = mask & (key_pos[None, None, :] <= last_visible[:, :, None])         # (B, Sq, L)
+    y = F.scaled_dot_product_attention(
+        q.transpose(1, 2),                      # (B, Hq, Sq, D)
+        k_ctx.transpose(1, 2),                  # (B, Hk, L, D)
+        v_ctx.transpose(1, 2),
+        attn_mask=mask[:, None],                # (B, 1, Sq or 1, L)
+        scale=scale,
+        enable_gqa=Hq != k_ctx.shape[2],
+    )                                           # (B, Hq, Sq, D)
+    return y.transpose(1, 2)                    # (B, Sq, Hq, D)
+
+
+class ContiguousCache:
+    """Per layer a `(max_batch, max_seq_len, n_kv_heads, head_dim)` pair, reserved up front.
+
+    Sequence `i` owns row `i` of every layer for its whole life, used or not.
+    """
+
+    def __init__(self, args, max_batch: int, max_seq_len: int | None = None,
+                 device="cpu", dtype=torch.float32):
+        self.max_batch = max_batch
+        self.max_seq_len = max_seq_len or args.max_seq_len
+        self.n_layers = args.n_layers
+        shape = (max_batch, self.max_seq_len, args.n_kv_heads, args.head_dim)
+        self.k_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+        self.v_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32)   # tokens stored, per row
+        self.rows = None                  # the rows of the current step, (B,)
+        self.cache_seqlens = None         # their lengths before the step, (B,) int32
+
+    # -- bookkeeping -------------------------------------------------------------------
+    def prepare(self, seq_ids, num_new_tokens: int) -> None:
+        """Get ready for a forward over `seq_ids`, each adding `num_new_tokens` tokens."""
+        rows = torch.as_tensor(seq_ids, dtype=torch.long)
+        if rows.numel() == 0 or rows.min() < 0 or rows.max() >= self.max_batch:
+            raise RequestError(f"sequence ids must lie in [0, {self.max_batch}); got {list(seq_ids)}")
+        after = self.seq_lens[rows] + num_new_tokens
+        if int(after.max()) > self.max_seq_len:
+            raise OutOfBlocksError(
+                f"a sequence would reach {int(after.max())} tokens but each row reserves only "
+                f"{self.max_seq_len}; ask for fewer new tokens or a larger max_seq_len")
+        self.rows = rows
+        self.cache_seqlens = self.seq_lens[rows].clone()
+        self.seq_lens[rows] = after
+        device = self.k_cache[0].device
+        self._rows_dev = rows.to(device)
+        self._seqlens_dev = self.cache_seqlens.to(device)
+
+    def free(self, seq_id: int) -> None:
+        """Forget a finished sequence. Its row stays reserved: that is this cache's flaw."""
+        self.seq_lens[seq_id] = 0
+
+    # -- attention -----------------------------------------------------------------------
+    def attend(self, layer: int, q, k, v):
+        """Write the step's k/v (B, T, Hk, D) at each row's next positions, then attend."""
+        T = k.shape[1]
+        rows, start = self._rows_dev, self._seqlens_dev
+        positions = start[:, None].long() + torch.arange(T, device=k.device)   # (B, T)
+        self.k_cache[layer][rows[:, None], positions] = k
+        self.v_cache[layer][rows[:, None], positions] = v
+        seqlens_k = start + T                                                  # (B,)
+        L = int(self.seq_lens[self.rows].max())
+        k_ctx = self.k_cache[layer][rows, :L]                                  # (B, L, Hk, D)
+        v_ctx = self.v_cache[layer][rows, :L]
+        return attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True)
+
+    # -- what the lesson draws ------------------------------------------------------------------
+    def usage(self):
+        """(used, reserved) slots per row: used = tokens stored, reserved = max_seq_len each."""
+        return self.seq_lens.tolist(), [self.max_seq_len] * self.max_batch
+
+    def bytes_per_slot(self) -> int:
+        """Bytes of K and V for one token position, summed over all layers."""
+        k = self.k_cache[0]
+        return 2 * self.n_layers * k.shape[2] * k.shape[3] * k.element_size()
