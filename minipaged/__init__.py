@@ -3,3 +3,5 @@
 from .errors import (CheckpointError, MiniPagedError, OutOfBlocksError, RequestError,
                      TokenizerError)
 from .model import Llama, ModelArgs
+from .checkpoint import load_model, save_model
+from .generate import generate

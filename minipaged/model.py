@@ -81,7 +81,8 @@ def scale_rope_frequencies(freqs, args: ModelArgs):
 def rope_frequencies(args: ModelArgs):
     """The rotary frequencies theta^(-2i/d), one per (even, odd) pair of a head: (head_dim // 2,)."""
     d = args.head_dim
-    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2)[: d // 2].float() / d))
+    exps = torch.arange(0, d, 2, device="cpu")[: d // 2].float() / d   # cpu even under a meta device
+    freqs = 1.0 / (args.rope_theta ** exps)
     if args.use_scaled_rope:
         freqs = scale_rope_frequencies(freqs, args)
     return freqs
