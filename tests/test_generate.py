@@ -16,7 +16,7 @@ def test_a_stop_token_ends_only_its_own_sequence(model):
     out = generate(model, PROMPTS, 10, stop_tokens=[stop])
     for o, f in zip(out, free):             # each cut before its own first stop token
         assert o == (f[:f.index(stop)] if stop in f else f)
-    assert len(out[0]) <= 3 and any(len(o) == 10 for o in out[1:]) or stop in free[1] + free[2]
+    assert len(out[0]) <= 3 < 10            # prompt 0 really was cut short
 
 
 def test_default_stop_tokens_are_the_models(model):
