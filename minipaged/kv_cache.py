@@ -26,13 +26,20 @@ def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=
     attention); seqlens_k (B,) — valid keys per row, the newest Sq of them belonging to the
     queries themselves. With `causal`, query i of row b sees key j only if
     j <= i + seqlens_k[b] - Sq: the mask is aligned bottom-right, as in flash-attn.
+
+    Exact for any content past `seqlens_k[b]` (a reused block's stale data, even NaN): those
+    slots are zeroed before the product, since a softmax weight of 0 times NaN is still NaN.
+    A query that sees no key at all gets a zero output, as in flash-attn.
     """
     B, Sq, Hq, D = q.shape
     L = k_ctx.shape[1]
     scale = softmax_scale if softmax_scale is not None else D ** -0.5
     key_pos = torch.arange(L, device=q.device)                      # (L,)
     seqlens_k = seqlens_k.to(device=q.device, dtype=torch.long)
-    mask = key_pos[None, None, :] < seqlens_k[:, None, None]         # (B, 1, L)
+    valid = key_pos[None, :] < seqlens_k[:, None]                   # (B, L)
+    k_ctx = k_ctx.masked_fill(~valid[:, :, None, None], 0)
+    v_ctx = v_ctx.masked_fill(~valid[:, :, None, None], 0)
+    mask = valid[:, None, :]                                        # (B, 1, L)
     if causal:
         last_visible = seqlens_k[:, None] - Sq + torch.arange(Sq, device=q.device)  # (B, Sq)
         mask = mask & (key_pos[None, None, :] <= last_visible[:, :, None])         # (B, Sq, L)
@@ -43,8 +50,9 @@ def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=
         attn_mask=mask[:, None],                # (B, 1, Sq or 1, L)
         scale=scale,
         enable_gqa=Hq != k_ctx.shape[2],
-    )                                           # (B, Hq, Sq, D)
-    return y.transpose(1, 2)                    # (B, Sq, Hq, D)
+    ).transpose(1, 2)                           # (B, Sq, Hq, D)
+    sees_nothing = ~mask.any(-1)                # (B, Sq or 1)
+    return y.masked_fill(sees_nothing[:, :, None, None], 0)
 
 
 class ContiguousCache:

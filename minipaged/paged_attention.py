@@ -1,0 +1,225 @@
+"""Stage 3: paged attention — attend over a KV cache scattered across fixed-size blocks.
+
+A paged cache stores a sequence's keys and values in blocks of `block_size` slots taken from
+a shared pool, `k_cache`/`v_cache` of shape (num_blocks, block_size, n_kv_heads, head_dim).
+Row b's `block_table[b]` lists its blocks in order: position `pos` of the row lives in block
+`block_table[b, pos // block_size]`, at offset `pos % block_size`.
+
+`flash_attn_with_kvcache` has flash-attn's signature and meaning, so the same call runs
+flash-attn's CUDA kernel where it can, and a readable PyTorch version everywhere else:
+
+  1. write the new k/v into their slots (through a slot mapping, vLLM's word for it);
+  2. gather each row's blocks into one contiguous (B, L, n_kv_heads, head_dim) tensor;
+  3. attend with the masked attention the contiguous cache uses (`attention_over_cache`).
+
+`last_backend` says which one served the last call; the first use of each is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .kv_cache import attention_over_cache
+
+try:  # optional: the CUDA kernel, `pip install flash-attn --no-build-isolation`
+    import flash_attn
+except ImportError:
+    flash_attn = None
+
+log = logging.getLogger(__name__)
+last_backend: str | None = None   # "flash_attn" or "torch": the implementation of the last call
+_announced: set[str] = set()      # log lines already written, so each appears once
+
+
+def flash_attn_available() -> bool:
+    """True when flash-attn's kernel imports and a CUDA GPU is present."""
+    return flash_attn is not None and torch.cuda.is_available()
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                            block_table=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+                            *, backend: str = "auto"):
+    """Write `k`/`v` into the cache in place at `cache_seqlens`, then attend `q` over the cache.
+
+    q (B, Sq, Hq, D); paged cache (num_blocks, block_size, Hk, D) with `block_table` int32
+    (B, max_blocks), or flash-attn's non-paged cache (B_cache, seqlen_cache, Hk, D) with an
+    optional `cache_batch_idx` int32 (B,); k, v (B, Sk, Hk, D); `cache_seqlens` an int or an
+    int32 (B,) tensor of tokens already stored (None: every row fills its whole cache).
+    Row b attends to cache_seqlens[b] + Sk keys; `causal` aligns the mask bottom-right.
+    Returns (B, Sq, Hq, D). `backend` is "auto", "torch" or "flash_attn".
+    """
+    global last_backend
+    if backend not in ("auto", "torch", "flash_attn"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'flash_attn', not {backend!r}")
+    cache_seqlens = _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                                  block_table)
+    why_not = _why_not_flash(q, k_cache, block_table)
+    if backend == "flash_attn" and why_not:
+        raise ValueError(f"backend='flash_attn' cannot serve this call: {why_not}")
+    use_flash = backend == "flash_attn" or (backend == "auto" and why_not is None)
+    last_backend = "flash_attn" if use_flash else "torch"
+    _announce(last_backend, None if use_flash or backend == "torch" else why_not, q.is_cuda)
+
+    if use_flash:
+        return flash_attn.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+            cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+            cache_leftpad=cache_leftpad, block_table=block_table, softmax_scale=softmax_scale,
+            causal=causal, window_size=window_size, softcap=softcap,
+            rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
+            num_splits=num_splits, return_softmax_lse=return_softmax_lse)
+
+    unsupported = {"rotary_cos/rotary_sin": rotary_cos is not None or rotary_sin is not None,
+                   "cache_leftpad": cache_leftpad is not None,
+                   "window_size": tuple(window_size) != (-1, -1),
+                   "softcap": softcap != 0.0,
+                   "alibi_slopes": alibi_slopes is not None,
+                   "return_softmax_lse": bool(return_softmax_lse)}
+    asked = [name for name, used in unsupported.items() if used]
+    if asked:
+        raise NotImplementedError(
+            f"the PyTorch paged attention does not implement {', '.join(asked)}; leave "
+            f"{'it' if len(asked) == 1 else 'them'} at flash-attn's default, or run flash-attn's "
+            f"kernel (CUDA, fp16/bf16, block size a multiple of 256)")
+    return _torch_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                          block_table, softmax_scale, causal)
+
+
+# -- the PyTorch implementation ----------------------------------------------------------------
+
+def _torch_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                   softmax_scale, causal):
+    """Write, gather, attend: paged attention in three readable steps."""
+    B, device = q.shape[0], q.device
+    num_blocks, block_size = k_cache.shape[:2]
+    if block_table is None:
+        # flash-attn's non-paged mode is the paged mode with one block per row, as long as
+        # a whole cache row: block_table[b] = [cache_batch_idx[b]].
+        rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(B)
+        block_table = rows[:, None]                                           # (B, 1)
+    block_table = block_table.to(device)
+    capacity = block_table.shape[1] * block_size          # slots a row's table can address
+    n_new = 0 if k is None else k.shape[1]
+    if cache_seqlens is None:                             # no lengths: every row is full
+        cache_seqlens = torch.full((B,), capacity, dtype=torch.int32, device=device)
+    seqlens_k = cache_seqlens.long() + n_new                                  # (B,) keys per row
+    L = int(seqlens_k.max())                              # the longest row: all we gather
+    if int(cache_seqlens.min()) < 0:
+        raise ValueError("cache_seqlens must be >= 0: it counts the tokens a row has stored")
+    if L > capacity:
+        raise ValueError(
+            f"a row needs {L} slots but its block table addresses only {capacity} "
+            f"({block_table.shape[1]} blocks of {block_size}); give it more blocks first")
+
+    # Only the first n entries of a table matter, and only those a row owns: entries past a
+    # row's last block may be padding (-1, stale ids), so point them at block 0 — any real
+    # block will do, since the mask hides everything past seqlens_k[b].
+    n = -(-L // block_size)                                                   # ceil(L / bs)
+    owned = torch.arange(n, device=device) * block_size < seqlens_k[:, None]  # (B, n)
+    table = torch.where(owned, block_table[:, :n].long(), 0)                  # (B, n)
+    if n and (int(table.min()) < 0 or int(table.max()) >= num_blocks):
+        raise ValueError(f"block_table (or cache_batch_idx) points outside k_cache's "
+                         f"{num_blocks} blocks (rows): every block a row uses must exist")
+
+    # 1. write: new token t of row b goes to position p = cache_seqlens[b] + t, which is slot
+    #    block_table[b, p // block_size] * block_size + p % block_size of the pool seen as one
+    #    long array of slots (vLLM's slot_mapping). Like vLLM's reshape_and_cache, split the
+    #    slot back into (block, offset) to write without assuming the pool's memory layout.
+    if k is not None:
+        positions = cache_seqlens[:, None].long() + torch.arange(n_new, device=device)  # (B, Sk)
+        slot_mapping = table.gather(1, positions // block_size) * block_size \
+            + positions % block_size                                          # (B, Sk)
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+        k_cache[blocks, offsets] = k                      # in place, (B, Sk, Hk, D) slots
+        v_cache[blocks, offsets] = v
+
+    # 2. gather: each row's blocks, in table order, side by side.
+    k_ctx, v_ctx = _gather(k_cache, table, L), _gather(v_cache, table, L)    # (B, L, Hk, D)
+
+    # 3. attend: the same masked attention as the contiguous cache.
+    return attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=causal,
+                                softmax_scale=softmax_scale)
+
+
+def _gather(cache, table, L):
+    """Copy the first L slots of each row's blocks into one contiguous (B, L, Hk, D) tensor."""
+    used = min(cache.shape[1], L)        # one block: only its first L slots are needed
+    blocks = cache[table, :used]                      # (B, n, used, Hk, D)
+    return blocks.flatten(1, 2)[:, :L]                # (B, L, Hk, D)
+
+
+# -- checks and dispatch -------------------------------------------------------------------------
+
+def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
+    """Raise ValueError with a sentence for a call flash-attn would refuse; return the lengths
+    as an int32 (B,) tensor on q's device (or None)."""
+    def need(ok, sentence):
+        if not ok:
+            raise ValueError(sentence)
+
+    need(q.dim() == 4, f"q must be (batch, seqlen, n_heads, head_dim), got shape {tuple(q.shape)}")
+    B, _, Hq, D = q.shape
+    need(k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
+         f"k_cache and v_cache must share one 4-D shape, got {tuple(k_cache.shape)} and "
+         f"{tuple(v_cache.shape)}")
+    Hk = k_cache.shape[2]
+    need(k_cache.shape[3] == D, f"q has head_dim {D} but the cache has {k_cache.shape[3]}")
+    need(Hq % Hk == 0, f"q's {Hq} heads must be a multiple of the cache's {Hk} kv heads")
+    need(q.is_floating_point(), f"q must be a floating-point tensor, not {q.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t is not None:
+            need(t.dtype == q.dtype, f"{name} is {t.dtype} but q is {q.dtype}; use one dtype")
+            need(t.device == q.device, f"{name} is on {t.device} but q is on {q.device}")
+    need((k is None) == (v is None), "pass both k and v (the new tokens), or neither")
+    if k is not None:
+        need(cache_seqlens is not None, "with new k/v, cache_seqlens must say where they go")
+        need(k.dim() == 4 and k.shape[0] == B and k.shape[2:] == (Hk, D) and v.shape == k.shape,
+             f"k and v must be (batch={B}, seqlen_new, n_kv_heads={Hk}, head_dim={D}), got "
+             f"{tuple(k.shape)} and {tuple(v.shape)}")
+    for name, t in (("block_table", block_table), ("cache_batch_idx", cache_batch_idx)):
+        if t is not None:
+            need(t.dtype == torch.int32, f"{name} must be an int32 tensor, not {t.dtype}")
+            need(t.dim() == (2 if name == "block_table" else 1) and t.shape[0] == B,
+                 f"{name} has shape {tuple(t.shape)}, which does not fit a batch of {B}")
+    need(block_table is None or cache_batch_idx is None,
+         "a paged cache (block_table) cannot be combined with cache_batch_idx")
+    if cache_seqlens is None:
+        return None
+    if isinstance(cache_seqlens, int):
+        need(cache_seqlens >= 0, f"cache_seqlens must be >= 0, got {cache_seqlens}")
+        return torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
+    need(isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dtype == torch.int32
+         and cache_seqlens.shape == (B,),
+         f"cache_seqlens must be an int or an int32 tensor of shape ({B},)")
+    return cache_seqlens.to(q.device)
+
+
+def _why_not_flash(q, k_cache, block_table) -> str | None:
+    """Why flash-attn's kernel cannot serve this call, or None if it can."""
+    if flash_attn is None:
+        return "flash_attn is not installed"
+    if not q.is_cuda:
+        return "the tensors are not on a CUDA GPU"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attn computes in fp16 or bf16, not {q.dtype}"
+    if torch.cuda.get_device_capability(q.device)[0] < 8:
+        return "flash-attn 2 needs an Ampere (sm80) or newer GPU"
+    if q.shape[-1] > 256:
+        return f"flash-attn supports head_dim up to 256, not {q.shape[-1]}"
+    if block_table is not None and k_cache.shape[1] % 256:
+        return f"flash-attn 2 needs a block size that is a multiple of 256, not {k_cache.shape[1]}"
+    return None
+
+
+def _announce(backend, why_not, on_cuda):
+    """Log, once per distinct line, which implementation runs and why."""
+    line = f"paged attention: {backend} implementation" + (f" ({why_not})" if why_not else "")
+    if line not in _announced:
+        _announced.add(line)
+        # On a GPU the fallback is slow enough that a user should hear about it.
+        log.log(logging.WARNING if on_cuda and backend == "torch" else logging.INFO, line)

@@ -1,0 +1,255 @@
+"""The PyTorch paged attention against a dense reference written here, the slow obvious way.
+
+The reference follows flash-attn's documented rules for `flash_attn_with_kvcache`: new k/v
+land at positions cache_seqlens[b] .. cache_seqlens[b] + Sk - 1 of row b, row b then has
+cache_seqlens[b] + Sk keys, and a causal query i sees key j only if j <= i + keys - Sq.
+Block tables are drawn from a shuffled pool with torch.randperm, like flash-attn's own test.
+"""
+
+import logging
+import math
+import random
+
+import pytest
+import torch
+
+from minipaged import paged_attention as pa
+from minipaged.paged_attention import flash_attn_with_kvcache
+
+
+def dense_reference(q, k_cache, v_cache, k, v, cache_seqlens, locate, causal, softmax_scale=None):
+    """Expected (output in float64, k_cache after, v_cache after), with loops and lists.
+
+    `locate(b, p)` gives the (index0, index1) of row b's position p in the cache tensors.
+    """
+    k_after, v_after = k_cache.clone(), v_cache.clone()
+    B, Sq, Hq, D = q.shape
+    Hk = k_cache.shape[2]
+    Sk = 0 if k is None else k.shape[1]
+    for b in range(B):
+        for t in range(Sk):
+            where = locate(b, cache_seqlens[b] + t)
+            k_after[where] = k[b, t]
+            v_after[where] = v[b, t]
+    scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(D)
+    out = torch.zeros(B, Sq, Hq, D, dtype=torch.float64)
+    for b in range(B):
+        n = cache_seqlens[b] + Sk
+        places = [locate(b, p) for p in range(n)]
+        keys = torch.stack([k_after[i0, i1] for i0, i1 in places]).double() if n else None
+        values = torch.stack([v_after[i0, i1] for i0, i1 in places]).double() if n else None
+        for i in range(Sq):
+            visible = [j for j in range(n) if not causal or j <= i + n - Sq]
+            if not visible:
+                continue                      # a query that sees no key outputs zeros
+            for h in range(Hq):
+                kv_head = h // (Hq // Hk)
+                scores = keys[visible, kv_head] @ q[b, i, h].double() * scale
+                weights = torch.exp(scores - scores.max())
+                weights = weights / weights.sum()
+                out[b, i, h] = weights @ values[visible, kv_head]
+    return out, k_after, v_after
+
+
+def random_paged_case(seed, block_size):
+    """A random paged call: lengths include 0 and exact block multiples, GQA or MHA."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    B = rng.randint(1, 3)
+    Hk, group, D = rng.choice([1, 2]), rng.choice([1, 2, 4]), rng.choice([8, 16])
+    Sq = rng.choice([1, 1, rng.randint(2, 6)])
+    new_kv = rng.random() < 0.7
+    Sk = (Sq if rng.random() < 0.8 else rng.randint(1, 5)) if new_kv else 0
+    longest = max(20, min(4 * block_size, 600))
+    lengths = [rng.choice([0, block_size * rng.randint(1, 3), rng.randint(0, longest)])
+               for _ in range(B)]
+    if rng.random() < 0.2:
+        lengths = [lengths[0]] * B            # the same for all: pass it as an int
+    max_blocks = -(-(max(lengths) + Sk) // block_size) + rng.randint(0, 2)
+    num_blocks = B * max_blocks + rng.randint(1, 5)
+    pool = torch.randperm(num_blocks, generator=gen, dtype=torch.int32)
+    block_table = pool[:B * max_blocks].view(B, max_blocks)
+    randn = lambda *shape: torch.randn(*shape, generator=gen)
+    case = dict(
+        q=randn(B, Sq, Hk * group, D),
+        k_cache=randn(num_blocks, block_size, Hk, D), v_cache=randn(num_blocks, block_size, Hk, D),
+        k=randn(B, Sk, Hk, D) if new_kv else None, v=randn(B, Sk, Hk, D) if new_kv else None,
+        cache_seqlens=(lengths[0] if len(set(lengths)) == 1 and rng.random() < 0.5
+                       else torch.tensor(lengths, dtype=torch.int32)),
+        block_table=block_table, causal=rng.random() < 0.6,
+        softmax_scale=rng.choice([None, None, 0.3]))
+    return case, lengths
+
+
+def paged_locate(block_table, block_size):
+    return lambda b, p: (int(block_table[b, p // block_size]), p % block_size)
+
+
+def check_against_reference(case, lengths, locate):
+    k_snapshot, v_snapshot = case["k_cache"].clone(), case["v_cache"].clone()
+    out = flash_attn_with_kvcache(**case, backend="torch")
+    expected, k_after, v_after = dense_reference(
+        case["q"], k_snapshot, v_snapshot, case["k"], case["v"], lengths, locate,
+        case["causal"], case["softmax_scale"])
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    # the reference starts from the snapshot: the new tokens exactly where expected, and
+    # every other slot of the pool untouched
+    assert torch.equal(case["k_cache"], k_after) and torch.equal(case["v_cache"], v_after)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16, 256])
+@pytest.mark.parametrize("seed", range(30))
+def test_paged_attention_matches_dense_reference(block_size, seed):
+    case, lengths = random_paged_case(1000 * block_size + seed, block_size)
+    check_against_reference(case, lengths, paged_locate(case["block_table"], block_size))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_non_paged_mode_with_cache_batch_idx(seed):
+    """flash-attn's other mode: one long cache row per sequence, picked by cache_batch_idx."""
+    gen = torch.Generator().manual_seed(seed)
+    B, B_cache, seqlen_cache, Hk, Hq, D, Sq = 3, 5, 24, 2, 4, 8, 1 + seed % 4
+    rows = torch.randperm(B_cache, generator=gen, dtype=torch.int32)[:B]
+    lengths = torch.randint(0, seqlen_cache - Sq + 1, (B,), generator=gen, dtype=torch.int32)
+    case = dict(q=torch.randn(B, Sq, Hq, D, generator=gen),
+                k_cache=torch.randn(B_cache, seqlen_cache, Hk, D, generator=gen),
+                v_cache=torch.randn(B_cache, seqlen_cache, Hk, D, generator=gen),
+                k=torch.randn(B, Sq, Hk, D, generator=gen), v=torch.randn(B, Sq, Hk, D, generator=gen),
+                cache_seqlens=lengths, causal=seed % 2 == 0, softmax_scale=None,
+                cache_batch_idx=rows if seed < 7 else None)
+    if case["cache_batch_idx"] is None:
+        rows = torch.arange(B)
+    check_against_reference(case, lengths.tolist(), lambda b, p: (int(rows[b]), p))
+
+
+def test_without_cache_seqlens_every_row_is_full():
+    """cache_seqlens=None: each row attends to every slot its block table addresses."""
+    case, _ = random_paged_case(7, 4)
+    case.update(k=None, v=None, cache_seqlens=None)
+    full = case["block_table"].shape[1] * 4
+    check_against_reference(case, [full] * case["q"].shape[0], paged_locate(case["block_table"], 4))
+
+
+def owned_slots(block_table, block_size, seqlens):
+    """The set of (block, offset) that hold a row's tokens."""
+    return {(int(block_table[b, p // block_size]), p % block_size)
+            for b, n in enumerate(seqlens) for p in range(n)}
+
+
+@pytest.mark.parametrize("block_size", [3, 16])
+def test_garbage_outside_owned_slots_changes_nothing(block_size):
+    """Free blocks hold stale data, even NaN or inf: no row's output may depend on it."""
+    case, lengths = random_paged_case(42, block_size)
+    case.update(causal=True, cache_seqlens=torch.tensor(lengths, dtype=torch.int32))
+    n_new = 0 if case["k"] is None else case["k"].shape[1]
+    owned = owned_slots(case["block_table"], block_size, [n + n_new for n in lengths])
+    outputs = []
+    for junk in (0.0, float("nan"), float("inf"), -1e30):
+        call = {name: (t.clone() if torch.is_tensor(t) else t) for name, t in case.items()}
+        for blk in range(call["k_cache"].shape[0]):
+            for off in range(block_size):
+                if (blk, off) not in owned:
+                    call["k_cache"][blk, off] = junk
+                    call["v_cache"][blk, off] = junk
+        outputs.append(flash_attn_with_kvcache(**call, backend="torch"))
+    assert torch.isfinite(outputs[0]).all()
+    for other in outputs[1:]:
+        assert torch.equal(outputs[0], other)
+
+
+def test_block_table_entries_past_a_row_are_never_read():
+    """Table padding (-1, ids past the pool) after a row's last block is ignored."""
+    gen = torch.Generator().manual_seed(3)
+    bs, lengths = 16, [5, 0, 40]
+    case = dict(q=torch.randn(3, 2, 4, 8, generator=gen),
+                k_cache=torch.randn(12, bs, 2, 8, generator=gen),
+                v_cache=torch.randn(12, bs, 2, 8, generator=gen),
+                cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                block_table=torch.randperm(12, generator=gen, dtype=torch.int32).view(3, 4),
+                causal=True)
+    expected = flash_attn_with_kvcache(**case)
+    padded = case["block_table"].clone()
+    for b, n in enumerate(lengths):
+        padded[b, -(-n // bs):] = -1 if b % 2 else 10**6
+    assert torch.equal(flash_attn_with_kvcache(**{**case, "block_table": padded}), expected)
+
+
+def test_bf16_cache_on_cpu():
+    case, lengths = random_paged_case(11, 16)
+    for name in ("q", "k_cache", "v_cache", "k", "v"):
+        if case[name] is not None:
+            case[name] = case[name].bfloat16()
+    out = flash_attn_with_kvcache(**case)
+    expected, _, _ = dense_reference(case["q"], case["k_cache"], case["v_cache"], case["k"],
+                                     case["v"], lengths, paged_locate(case["block_table"], 16),
+                                     case["causal"], case["softmax_scale"])
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_cpu_runs_the_torch_backend_and_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(pa, "_announced", set())
+    case, _ = random_paged_case(5, 16)
+    with caplog.at_level(logging.INFO, logger="minipaged.paged_attention"):
+        flash_attn_with_kvcache(**{**case, "k": None, "v": None})
+        flash_attn_with_kvcache(**{**case, "k": None, "v": None})
+    assert pa.last_backend == "torch"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "torch" in lines[0], lines
+    if not torch.cuda.is_available():
+        assert not pa.flash_attn_available()
+    with pytest.raises(ValueError, match="not on a CUDA GPU|not installed"):
+        flash_attn_with_kvcache(**case, backend="flash_attn")
+
+
+def base_call():
+    B, Hq, Hk, D, bs = 2, 4, 2, 8, 4
+    return dict(q=torch.randn(B, 1, Hq, D), k_cache=torch.randn(6, bs, Hk, D),
+                v_cache=torch.randn(6, bs, Hk, D), k=torch.randn(B, 1, Hk, D),
+                v=torch.randn(B, 1, Hk, D), cache_seqlens=torch.tensor([3, 4], dtype=torch.int32),
+                block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), causal=True)
+
+
+BAD_CALLS = [
+    ("block_table int64", dict(block_table=torch.tensor([[0, 1], [2, 3]])), "int32"),
+    ("cache_seqlens int64", dict(cache_seqlens=torch.tensor([3, 4])), "int32"),
+    ("cache_seqlens wrong length", dict(cache_seqlens=torch.tensor([3], dtype=torch.int32)), r"\(2,\)"),
+    ("k without v", dict(v=None), "both k and v"),
+    ("k without lengths", dict(cache_seqlens=None), "cache_seqlens"),
+    ("heads not a multiple", dict(q=torch.randn(2, 1, 3, 8)), "multiple"),
+    ("head_dim mismatch", dict(q=torch.randn(2, 1, 4, 16)), "head_dim"),
+    ("q is 3-D", dict(q=torch.randn(2, 4, 8)), "q must be"),
+    ("dtype mismatch", dict(q=torch.randn(2, 1, 4, 8, dtype=torch.float64)), "dtype|float"),
+    ("k wrong heads", dict(k=torch.randn(2, 1, 4, 8), v=torch.randn(2, 1, 4, 8)), "n_kv_heads"),
+    ("v_cache differs", dict(v_cache=torch.randn(6, 4, 2, 4)), "share one"),
+    ("row past its table", dict(cache_seqlens=torch.tensor([3, 8], dtype=torch.int32)), "addresses only"),
+    ("block id past the pool", dict(block_table=torch.tensor([[0, 1], [2, 9]], dtype=torch.int32)), "points outside"),
+    ("negative length", dict(cache_seqlens=torch.tensor([-2, 1], dtype=torch.int32)), ">= 0"),
+    ("paged + cache_batch_idx", dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32)), "cannot be combined"),
+    ("unknown backend", dict(backend="triton"), "backend"),
+]
+
+
+@pytest.mark.parametrize("label,change,message", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_wrong_inputs_raise_a_sentence(label, change, message):
+    call = base_call()
+    k_before = call["k_cache"].clone()
+    with pytest.raises(ValueError, match=message):
+        flash_attn_with_kvcache(**{**call, **change})
+    assert torch.equal(call["k_cache"], k_before)         # a refused call writes nothing
+
+
+@pytest.mark.parametrize("change", [
+    dict(rotary_cos=torch.zeros(8, 4), rotary_sin=torch.zeros(8, 4)),
+    dict(window_size=(16, 0)), dict(softcap=30.0), dict(alibi_slopes=torch.ones(4)),
+    dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), dict(return_softmax_lse=True)])
+def test_flash_attn_features_the_torch_path_lacks_are_refused(change):
+    with pytest.raises(NotImplementedError, match=next(iter(change)).split("_")[0]):
+        flash_attn_with_kvcache(**base_call(), **change)
+
+
+def test_flash_attn_defaults_and_perf_knobs_are_accepted():
+    call = base_call()
+    out = flash_attn_with_kvcache(**call, window_size=[-1, -1], softcap=0.0, num_splits=4,
+                                  rotary_interleaved=False, return_softmax_lse=False)
+    assert out.shape == (2, 1, 4, 8)
