@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+from .errors import OutOfBlocksError, RequestError
 from .kv_cache import attention_over_cache
 
 try:  # optional: the CUDA kernel, `pip install flash-attn --no-build-isolation`
@@ -223,3 +224,66 @@ def _announce(backend, why_not, on_cuda):
         _announced.add(line)
         # On a GPU the fallback is slow enough that a user should hear about it.
         log.log(logging.WARNING if on_cuda and backend == "torch" else logging.INFO, line)
+
+
+# -- the paged cache the model runs on ----------------------------------------------------------
+
+class PagedCache:
+    """Stage 2's per-layer CacheManagers behind the contiguous cache's interface.
+
+    `prepare` takes blocks as sequences grow (all layers or none), `attend` calls
+    `flash_attn_with_kvcache` on the layer's pool through its block table, `free` returns
+    every block of a finished sequence the moment it stops, while the others continue.
+    """
+
+    def __init__(self, args, num_blocks: int, block_size: int, max_seqs: int, max_seq_len: int,
+                 device="cpu", dtype=torch.float32, seed: int = 0, backend: str = "auto"):
+        from .cache_manager import CacheManager
+
+        self.block_size, self.max_seq_len, self.backend = block_size, max_seq_len, backend
+        max_blocks = -(-max_seq_len // block_size)
+        self.managers = [CacheManager(num_blocks, block_size, args.n_kv_heads, args.head_dim,
+                                      max_seqs, max_blocks, device=device, dtype=dtype,
+                                      seed=seed + layer) for layer in range(args.n_layers)]
+        self.cache_seqlens = None         # (B,) int32, tokens stored before this step
+        self.block_tables = None          # per layer, (B, max_blocks_used) int32
+
+    def prepare(self, seq_ids, num_new_tokens: int) -> None:
+        """Reserve blocks for new sequences, grow known ones; raise OutOfBlocksError untouched."""
+        seq_ids = list(seq_ids)
+        first = self.managers[0]
+        new = [s for s in seq_ids if not first.has(s)]
+        old = [s for s in seq_ids if first.has(s)]
+        lens_before = {s: 0 for s in new}
+        if old:
+            lens_before.update(zip(old, first.seq_lens_for(old).tolist()))
+        for s in seq_ids:
+            if lens_before[s] + num_new_tokens > self.max_seq_len:
+                raise RequestError(f"sequence {s} would reach {lens_before[s] + num_new_tokens} "
+                                   f"tokens; this cache was built for {self.max_seq_len}")
+        # Every layer holds the same tokens, so every layer needs the same number of blocks.
+        needed = sum(first.blocks_needed(lens_before[s], num_new_tokens) for s in seq_ids)
+        if needed > first.num_free_blocks:
+            raise OutOfBlocksError(
+                f"this step needs {needed} more blocks per layer but only {first.num_free_blocks} "
+                f"are free; finish or free a sequence, or give the pool more memory")
+        for m in self.managers:
+            for s in new:
+                m.reserve(s, num_new_tokens)
+            if old:
+                m.grow(old, num_new_tokens)
+        device = first.k_cache_paged.device
+        self.cache_seqlens = torch.tensor([lens_before[s] for s in seq_ids], dtype=torch.int32,
+                                          device=device)
+        self.block_tables = [m.block_table_for(seq_ids).to(device) for m in self.managers]
+
+    def attend(self, layer: int, q, k, v):
+        m = self.managers[layer]
+        return flash_attn_with_kvcache(q, m.k_cache_paged, m.v_cache_paged, k, v,
+                                       cache_seqlens=self.cache_seqlens,
+                                       block_table=self.block_tables[layer], causal=True,
+                                       backend=self.backend)
+
+    def free(self, seq_id: int) -> None:
+        for m in self.managers:
+            m.free(seq_id)
