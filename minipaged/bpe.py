@@ -62,8 +62,9 @@ def learn_merges(chunk_counts, num_merges, progress=None):
         for pair in zip(word, word[1:]):
             pair_counts[pair] += freqs[w]
             where[pair].add(w)
-    heap = [(-n, pair) for pair, n in pair_counts.items()]  # max-count first, stale entries
-    heapq.heapify(heap)  # are skipped: every count change pushes a fresh entry
+    # A max-heap of (count, pair). A count change pushes a fresh entry; stale ones are skipped.
+    heap = [(-n, pair) for pair, n in pair_counts.items()]
+    heapq.heapify(heap)
     merges = []
     while heap and len(merges) < num_merges:
         neg_count, pair = heapq.heappop(heap)
