@@ -5,3 +5,4 @@ from .errors import (CheckpointError, MiniPagedError, OutOfBlocksError, RequestE
 from .model import Llama, ModelArgs
 from .checkpoint import load_model, save_model
 from .generate import generate
+from .tokenizer import ChatFormat, Tokenizer, load_tokenizer

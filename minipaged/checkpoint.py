@@ -16,8 +16,7 @@ import torch
 
 from .errors import CheckpointError
 from .model import Llama, ModelArgs
-
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "model"
+from .tokenizer import DEFAULT_MODEL_DIR
 
 # Hugging Face name -> Meta name, for the parts inside each layer.
 _HF_LAYER_NAMES = {
