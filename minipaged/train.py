@@ -99,7 +99,7 @@ def train(out_dir: Path = DEFAULT_MODEL_DIR, steps: int = 1200, batch_size: int 
             std = 0.02 / math.sqrt(2 * args.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
             torch.nn.init.normal_(p, std=std)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = steps // 20
+    warmup = max(1, steps // 20)
     schedule = lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps)))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     data_gen = torch.Generator().manual_seed(seed)
@@ -114,8 +114,7 @@ def train(out_dir: Path = DEFAULT_MODEL_DIR, steps: int = 1200, batch_size: int 
         for step in range(steps):
             starts = torch.randint(0, len(train_stream) - seq_len - 1, (batch_size,), generator=data_gen)
             batch = torch.stack([train_stream[s: s + seq_len + 1] for s in starts])   # (B, T+1)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = model(batch[:, :-1])                                        # (B, T, V)
+            logits = model(batch[:, :-1])                                            # (B, T, V)
             loss = F.cross_entropy(logits.reshape(-1, args.vocab_size), batch[:, 1:].reshape(-1))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
