@@ -35,6 +35,7 @@ HOLDOUT_SHARE = 0.2              # of each topic's question templates, openers, 
 P_SYSTEM = 0.25                  # a dialog opens with a short system prompt
 P_OPENER, P_CLOSER = 0.35, 0.2   # a question gets "Quick question: ..." / "... Thanks!"
 P_LOWER = 0.15                   # a question typed without its leading capital
+P_WHAT, P_GENERIC = 0.45, 0.6    # a first question is a definition; one from GENERIC_WHAT
 P_SINGLE, P_FOLLOW_UPS = 0.55, 0.25   # technical dialogs; the rest open with another exchange
 CHAT_LEAD_IN = {"thanks": 0.8, "goodbye": 0.7, "identity": 0.3, "out_of_scope": 0.3}
 P_HELDOUT_TEMPLATE = 0.75        # else a held-out question is a train template + held-out opener
@@ -54,7 +55,7 @@ def _intents(spec: dict) -> dict:
 
 
 def _split(items: list, rng: random.Random) -> tuple[list, list]:
-    """Deterministically hold out about HOLDOUT_SHARE of a list (none from lists under 3)."""
+    """Split a list into (train, held out): about HOLDOUT_SHARE held out, none under 3 items."""
     k = max(1, round(len(items) * HOLDOUT_SHARE)) if len(items) >= 3 else 0
     held = set(rng.sample(range(len(items)), k))
     return ([x for i, x in enumerate(items) if i not in held],
@@ -62,6 +63,7 @@ def _split(items: list, rng: random.Random) -> tuple[list, list]:
 
 
 def _capitalize(text: str) -> str:
+    """Upper-case the first letter, unless the message starts with a code name or a brand."""
     first = text.split(" ", 1)[0]
     if "_" in first or first.lower().startswith(_KEEP_CASE):
         return text
@@ -79,10 +81,10 @@ class _Builder:
             generic = _split(GENERIC_WHAT, rng) if "subjects" in spec else ([], [])
             for name, intent in _intents(spec).items():
                 specific = _split(intent["questions"], rng)
-                for s, split in enumerate(("train", "heldout")):
-                    gen = [t.format(s=subj) for t in generic[s] for subj in spec["subjects"]]
+                for i, split in enumerate(("train", "heldout")):
+                    gen = [t.format(s=subj) for t in generic[i] for subj in spec["subjects"]]
                     self.pools[split].setdefault(topic, {})[name] = {
-                        "generic": gen if name == "what" else [], "specific": specific[s]}
+                        "generic": gen if name == "what" else [], "specific": specific[i]}
         self.openers = dict(zip(("train", "heldout"), _split(OPENERS, rng)))
         self.closers = dict(zip(("train", "heldout"), _split(CLOSERS, rng)))
         self.followups = {"train": {}, "heldout": {}}
@@ -96,13 +98,10 @@ class _Builder:
         """Pick an intent and an un-wrapped question for it from the split's pool."""
         rng, pool = self.rng, self.pools[split][topic]
         names = [n for n, p in pool.items() if p["generic"] or p["specific"]]
-        if "what" in names and rng.random() < 0.45:
-            name = "what"
-        else:
-            name = rng.choice(names)
+        name = "what" if "what" in names and rng.random() < P_WHAT else rng.choice(names)
         p = pool[name]
-        kind = "generic" if p["generic"] and (not p["specific"] or rng.random() < 0.6) else "specific"
-        return name, rng.choice(p[kind])
+        generic = p["generic"] and (not p["specific"] or rng.random() < P_GENERIC)
+        return name, rng.choice(p["generic"] if generic else p["specific"])
 
     def _wrap(self, core: str, openers: list[str], closers: list[str], opener: bool) -> str:
         """Dress a question core with an optional opener and closer, and fix its case."""
@@ -145,10 +144,11 @@ class _Builder:
 
     # -- one dialog ---------------------------------------------------------------------
 
-    def _other_tech(self, topic: str) -> str:
+    def _other_tech(self, topic: str | None = None) -> str:
         return self.rng.choice([t for t in TECH_TOPICS if t != topic])
 
     def dialog(self, topic: str, split: str) -> dict:
+        """One dialog whose last question is on `topic`, phrased from the split's pools."""
         rng = self.rng
         exchanges = []                                   # (question, answer) pairs
         r = rng.random()
@@ -172,7 +172,7 @@ class _Builder:
                     exchanges.append(fu[:2])
         else:
             if r < CHAT_LEAD_IN.get(topic, 0.0):
-                lead = "greeting" if topic in ("identity", "out_of_scope") else self._other_tech("")
+                lead = "greeting" if topic in ("identity", "out_of_scope") else self._other_tech()
                 exchanges.append(self.ask(lead, split)[:2])
                 if topic == "goodbye" and rng.random() < 0.5:
                     exchanges.append(self.ask("thanks", split)[:2])
@@ -192,7 +192,7 @@ def build_corpus(seed: int = 0) -> Corpus:
     """Generate the train and held-out dialogs for a seed (deterministic, well under a second)."""
     b = _Builder(seed)
     train = []
-    for topic, spec in TOPICS.items():
+    for topic in TOPICS:
         n = TRAIN_DIALOGS_PER_TOPIC["tech" if topic in TECH_TOPICS else "chat"]
         train += [b.dialog(topic, "train") for _ in range(n)]
     seen = {text for d in train for text in _user_texts(d)}
