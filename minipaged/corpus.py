@@ -54,12 +54,23 @@ def _intents(spec: dict) -> dict:
     return {k: v for k, v in spec.items() if isinstance(v, dict) and "answers" in v}
 
 
-def _split(items: list, rng: random.Random) -> tuple[list, list]:
-    """Split a list into (train, held out): about HOLDOUT_SHARE held out, none under 3 items."""
+def _split(items: list, rng: random.Random, cues: list[str] = ()) -> tuple[list, list]:
+    """Split a list into (train, held out): about HOLDOUT_SHARE held out, none under 3 items.
+
+    With `cues`, only items that contain one of them may be held out: a held-out question
+    must name its topic, so it tests new wording, not a riddle.
+    """
+    eligible = [i for i, x in enumerate(items) if not cues or any(c in x.lower() for c in cues)]
     k = max(1, round(len(items) * HOLDOUT_SHARE)) if len(items) >= 3 else 0
-    held = set(rng.sample(range(len(items)), k))
+    held = set(rng.sample(eligible, min(k, len(eligible))))
     return ([x for i, x in enumerate(items) if i not in held],
             [x for i, x in enumerate(items) if i in held])
+
+
+def _cues(spec: dict) -> list[str]:
+    """Words that name a technical topic: its keywords and its subjects without the article."""
+    subjects = [s.lower().removeprefix("the ").removeprefix("a ") for s in spec["subjects"]]
+    return spec["keywords"] + subjects
 
 
 def _capitalize(text: str) -> str:
@@ -80,7 +91,8 @@ class _Builder:
         for topic, spec in TOPICS.items():
             generic = _split(GENERIC_WHAT, rng) if "subjects" in spec else ([], [])
             for name, intent in _intents(spec).items():
-                specific = _split(intent["questions"], rng)
+                specific = _split(intent["questions"], rng,
+                                  _cues(spec) if "subjects" in spec else ())
                 for i, split in enumerate(("train", "heldout")):
                     gen = [t.format(s=subj) for t in generic[i] for subj in spec["subjects"]]
                     self.pools[split].setdefault(topic, {})[name] = {
