@@ -68,7 +68,7 @@ def plot_pool(managers, cols: int | None = None, titles=None, labels: bool | Non
     cols = cols or _grid_cols(cms[0].num_blocks)
     rows = math.ceil(cms[0].num_blocks / cols)
     labels = cms[0].num_blocks <= 256 if labels is None else labels
-    size = min(0.45, 7.0 / cols)
+    size = min(0.8, 8.0 / cols)
     fig, axes = plt.subplots(1, len(cms), squeeze=False,
                              figsize=(len(cms) * (cols * size + 1.2), rows * size + 0.8))
     for i, (ax, cm) in enumerate(zip(axes[0], cms)):
