@@ -28,7 +28,10 @@ PAD_BLOCK = -1   # what block tables hold past a sequence's last block: "no bloc
 
 def bytes_per_block(block_size: int, n_kv_heads: int, head_dim: int, dtype=torch.float32,
                     n_layers: int = 1) -> int:
-    """Bytes that `block_size` tokens of K and V take in `n_layers` layers: 2 * L * bs * Hk * D * itemsize."""
+    """Bytes that `block_size` tokens of K and V take in `n_layers` layers.
+
+    2 (K and V) * n_layers * block_size * n_kv_heads * head_dim * bytes per element.
+    """
     return 2 * n_layers * block_size * n_kv_heads * head_dim * dtype.itemsize
 
 
@@ -50,7 +53,7 @@ def num_blocks_for_budget(budget_bytes: int, block_size: int, n_kv_heads: int, h
 
 
 def kv_budget_from_free_memory(fraction: float = 0.9, device="cuda") -> int:
-    """`fraction` of the memory free right now on a CUDA device, in bytes (call after loading weights)."""
+    """`fraction` of the memory free now on a CUDA device, in bytes; call after loading weights."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise RequestError(f"free memory can only be read on a CUDA device, not {device}; "
@@ -94,7 +97,7 @@ class FreeBlockSet:
 # -- the cache manager -------------------------------------------------------------------------
 
 class CacheManager:
-    """One layer's paged KV cache: the physical pool, its free blocks, and a block table per sequence.
+    """One layer's paged KV cache: the physical pool, its free blocks, a block table per sequence.
 
     Sequence ids are rows of the tables, 0 <= seq_id < max_seqs. Every method that allocates
     either succeeds completely or raises before changing anything (tables, lengths, free set,
@@ -139,13 +142,13 @@ class CacheManager:
         return sorted(self._live)
 
     def blocks_of(self, seq_id: int) -> list[int]:
-        """The physical blocks of a sequence, in logical order (its block table without padding)."""
+        """A sequence's physical blocks in logical order: its block table without the padding."""
         s = self._one(seq_id)
         return self._table[s, : self._held[s]].tolist()
 
     # -- allocation -----------------------------------------------------------------------------
     def reserve(self, seq_id: int, num_tokens: int) -> list[int]:
-        """Start sequence `seq_id` with room for `num_tokens` tokens (a prompt); returns its blocks."""
+        """Start sequence `seq_id` with blocks for `num_tokens` tokens (a prompt); return them."""
         s = int(seq_id)
         if not 0 <= s < self.max_seqs:
             raise RequestError(f"sequence id {seq_id} is outside [0, {self.max_seqs})")
@@ -161,7 +164,7 @@ class CacheManager:
         return blocks
 
     def grow(self, seq_ids, num_new_tokens: int) -> int:
-        """Each listed sequence gains `num_new_tokens` tokens; all of them, or none if blocks run out.
+        """Each listed sequence gains `num_new_tokens` tokens: all do, or none if blocks run out.
 
         A sequence takes new blocks only when its last block is full. The work past a few array
         operations is proportional to the sequences that cross a block boundary. Returns the
@@ -215,7 +218,7 @@ class CacheManager:
         return lens if self._on_cpu else lens.to(self.device)
 
     def pool_usage(self):
-        """Per physical block: (owning seq id or -1 if free, tokens filled). For drawings and stats."""
+        """Per physical block: owning seq id (-1: free) and tokens filled. For drawings, stats."""
         owner = np.full(self.num_blocks, -1, dtype=np.int64)
         filled = np.zeros(self.num_blocks, dtype=np.int64)
         for s in self._live:
@@ -229,7 +232,7 @@ class CacheManager:
 
     # -- checks ---------------------------------------------------------------------------------
     def _rows(self, seq_ids, unique: bool = False) -> np.ndarray:
-        """Sequence ids (list, tuple, tensor or array) -> int64 numpy rows, all of them live."""
+        """Sequence ids (list, tuple, tensor or array) -> integer numpy rows, all of them live."""
         if isinstance(seq_ids, torch.Tensor):
             rows = seq_ids.cpu().numpy()
         else:

@@ -25,7 +25,8 @@ def article_example(seed=96440):
 def fills(ax):
     """{block: (height, colour)} of the solid 'filled' rectangles the pool drawing made."""
     return {int(p.get_gid().split("-")[1]): (round(p.get_height(), 4), to_hex(p.get_facecolor()))
-            for p in ax.patches if isinstance(p, Rectangle) and (p.get_gid() or "").startswith("fill-")}
+            for p in ax.patches
+            if isinstance(p, Rectangle) and (p.get_gid() or "").startswith("fill-")}
 
 
 def test_pool_colours_blocks_by_owner_and_fills_them_by_tokens():
