@@ -1,0 +1,291 @@
+"""Stage 2: the block allocator behind PagedAttention — one CacheManager per layer.
+
+A layer's KV memory is a pool of `num_blocks` physical blocks of `block_size` token slots each.
+A sequence owns a list of blocks, its block table: logical block j (tokens j*block_size ...
+(j+1)*block_size - 1) lives in physical block block_table[j], anywhere in the pool. Blocks are
+taken from a random free set when a sequence first needs them and all go back when it ends, so
+the only memory a sequence wastes is the unfilled tail of its last block.
+
+Bookkeeping lives on the CPU in preallocated int32 tensors (`block_table`, `seq_lens`). They are
+read and written through numpy views of the same memory, as vLLM v1's BlockTable does: a numpy
+call on a 64-element array costs about a microsecond, a torch call several, and this code runs
+for every layer on every decode step.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from .errors import OutOfBlocksError, RequestError
+
+PAD_BLOCK = -1   # what block tables hold past a sequence's last block: "no block here"
+
+
+# -- sizing: how many blocks fit in a memory budget --------------------------------------------
+
+def bytes_per_block(block_size: int, n_kv_heads: int, head_dim: int, dtype=torch.float32,
+                    n_layers: int = 1) -> int:
+    """Bytes that `block_size` tokens of K and V take in `n_layers` layers.
+
+    2 (K and V) * n_layers * block_size * n_kv_heads * head_dim * bytes per element.
+    """
+    return 2 * n_layers * block_size * n_kv_heads * head_dim * dtype.itemsize
+
+
+def num_blocks_for_budget(budget_bytes: int, block_size: int, n_kv_heads: int, head_dim: int,
+                          dtype=torch.float32, n_layers: int = 1) -> int:
+    """The number of blocks per layer that `budget_bytes` of KV memory holds across all layers.
+
+    Every layer gets a pool of this many blocks, so the pools together take
+    num_blocks * bytes_per_block(..., n_layers) <= budget_bytes.
+    """
+    per_block = bytes_per_block(block_size, n_kv_heads, head_dim, dtype, n_layers)
+    num_blocks = int(budget_bytes) // per_block
+    if num_blocks < 1:
+        raise OutOfBlocksError(
+            f"a KV budget of {int(budget_bytes):,} bytes holds no block: one block of {block_size} "
+            f"tokens in {n_layers} layers takes {per_block:,} bytes; raise the budget or shrink "
+            f"block_size")
+    return num_blocks
+
+
+def kv_budget_from_free_memory(fraction: float = 0.9, device="cuda") -> int:
+    """`fraction` of the memory free now on a CUDA device, in bytes; call after loading weights."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise RequestError(f"free memory can only be read on a CUDA device, not {device}; "
+                           f"give the KV budget in bytes instead")
+    free_bytes, _total = torch.cuda.mem_get_info(device)
+    return int(free_bytes * fraction)
+
+
+# -- the free-block set ----------------------------------------------------------------------
+
+class FreeBlockSet:
+    """Free physical block ids; `take` removes random ones in O(1) each, reproducibly for a seed.
+
+    A list plus swap-with-last removal: pick a random index, move the last id into its place,
+    pop. The seed code's `random.choice(list(free_blocks))` copied the whole set on every pick.
+    """
+
+    def __init__(self, num_blocks: int, seed: int = 0):
+        self._ids = list(range(num_blocks))
+        self._rng = random.Random(seed)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def take(self, k: int) -> list[int]:
+        """Remove and return k random free block ids (the caller checked that k fit)."""
+        ids, out, rand = self._ids, [], self._rng.random
+        for _ in range(k):
+            i = int(rand() * len(ids))          # uniform over the free ids (randrange, but faster)
+            ids[i], ids[-1] = ids[-1], ids[i]
+            out.append(ids.pop())
+        return out
+
+    def put(self, blocks) -> None:
+        self._ids.extend(blocks)
+
+    def ids(self) -> list[int]:
+        return sorted(self._ids)
+
+
+# -- the cache manager -------------------------------------------------------------------------
+
+class CacheManager:
+    """One layer's paged KV cache: the physical pool, its free blocks, a block table per sequence.
+
+    Sequence ids are rows of the tables, 0 <= seq_id < max_seqs. Every method that allocates
+    either succeeds completely or raises before changing anything (tables, lengths, free set,
+    even the random generator's state).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
+                 max_seqs: int, max_blocks_per_seq: int, device="cpu", dtype=torch.float32,
+                 seed: int = 0):
+        for name, value in [("num_blocks", num_blocks), ("block_size", block_size),
+                            ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
+                            ("max_seqs", max_seqs), ("max_blocks_per_seq", max_blocks_per_seq)]:
+            if int(value) != value or value < 1:
+                raise RequestError(f"{name} must be a positive integer, got {value!r}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.max_seqs, self.max_blocks_per_seq = max_seqs, max_blocks_per_seq
+        self.device = torch.device(device)
+        self._on_cpu = self.device.type == "cpu"
+        shape = (num_blocks, block_size, n_kv_heads, head_dim)
+        self.k_cache_paged = torch.zeros(shape, device=device, dtype=dtype)   # (N, bs, Hk, D)
+        self.v_cache_paged = torch.zeros(shape, device=device, dtype=dtype)
+        self.free_blocks = FreeBlockSet(num_blocks, seed)
+        # Bookkeeping tensors, with numpy views (`_table`, ...) that share their memory.
+        self.block_table = torch.full((max_seqs, max_blocks_per_seq), PAD_BLOCK, dtype=torch.int32)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32)     # tokens stored, per row
+        self.num_blocks_held = torch.zeros(max_seqs, dtype=torch.int32)
+        self._table = self.block_table.numpy()                       # (max_seqs, max_blocks)
+        self._lens = self.seq_lens.numpy()                           # (max_seqs,)
+        self._held = self.num_blocks_held.numpy()                    # (max_seqs,)
+        self._live: set[int] = set()                                 # seq ids that exist now
+
+    # -- counts -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    def live_seq_ids(self) -> list[int]:
+        return sorted(self._live)
+
+    def blocks_of(self, seq_id: int) -> list[int]:
+        """A sequence's physical blocks in logical order: its block table without the padding."""
+        s = self._one(seq_id)
+        return self._table[s, : self._held[s]].tolist()
+
+    # -- allocation -----------------------------------------------------------------------------
+    def reserve(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Start sequence `seq_id` with blocks for `num_tokens` tokens (a prompt); return them."""
+        s = int(seq_id)
+        if not 0 <= s < self.max_seqs:
+            raise RequestError(f"sequence id {seq_id} is outside [0, {self.max_seqs})")
+        if s in self._live:
+            raise RequestError(f"sequence {s} already holds blocks; free it before reusing its id")
+        n = self._count(num_tokens)
+        k = -(-n // self.block_size)                                 # ceil(n / block_size)
+        self._check_room([s], [k], k)
+        blocks = self.free_blocks.take(k)
+        self._table[s, :k] = blocks
+        self._held[s], self._lens[s] = k, n
+        self._live.add(s)
+        return blocks
+
+    def grow(self, seq_ids, num_new_tokens: int) -> int:
+        """Each listed sequence gains `num_new_tokens` tokens: all do, or none if blocks run out.
+
+        A sequence takes new blocks only when its last block is full. The work past a few array
+        operations is proportional to the sequences that cross a block boundary. Returns the
+        number of blocks taken.
+        """
+        rows = self._rows(seq_ids, unique=True)                      # (B,)
+        n = self._count(num_new_tokens)
+        new_lens = self._lens[rows] + n                              # (B,)
+        held = self._held[rows]                                      # (B,)
+        crossing = (new_lens > held * self.block_size).nonzero()[0]  # (C,) rows needing blocks
+        total = 0
+        if crossing.size:                     # from here on, Python over the C crossing rows
+            seqs = rows[crossing].tolist()
+            start = held[crossing].tolist()                          # blocks they hold now
+            end = [-(-length // self.block_size) for length in new_lens[crossing].tolist()]
+            total = sum(end) - sum(start)
+            self._check_room(seqs, end, total)
+            blocks = iter(self.free_blocks.take(total))
+            for s, h, e in zip(seqs, start, end):
+                for j in range(h, e):                                # logical block j of s
+                    self._table[s, j] = next(blocks)
+                self._held[s] = e
+        self._lens[rows] = new_lens
+        return total
+
+    def free(self, seq_id: int) -> list[int]:
+        """End a sequence: every one of its blocks goes back to the free set. Returns them."""
+        s = self._one(seq_id)
+        blocks = self._table[s, : self._held[s]].tolist()
+        self.free_blocks.put(blocks)
+        self._table[s, : self._held[s]] = PAD_BLOCK
+        self._held[s], self._lens[s] = 0, 0
+        self._live.discard(s)
+        return blocks
+
+    # -- what attention reads ---------------------------------------------------------------------
+    def block_table_for(self, seq_ids) -> torch.Tensor:
+        """int32 (B, W): row b is sequence seq_ids[b]'s block table, padded with PAD_BLOCK (-1).
+
+        W is the most blocks any of these sequences holds (at least 1, so the shape stays valid
+        for kernels). A kernel reads only the first ceil(seq_len / block_size) entries of a row.
+        """
+        rows = self._rows(seq_ids)                                   # (B,)
+        width = max(1, int(self._held[rows].max()))
+        table = torch.from_numpy(self._table[rows, :width])          # (B, W), a fresh copy
+        return table if self._on_cpu else table.to(self.device)
+
+    def seq_lens_for(self, seq_ids) -> torch.Tensor:
+        """int32 (B,): tokens stored for each listed sequence (flash-attn's cache_seqlens)."""
+        lens = torch.from_numpy(self._lens[self._rows(seq_ids)])     # (B,), a fresh copy
+        return lens if self._on_cpu else lens.to(self.device)
+
+    def pool_usage(self):
+        """Per physical block: owning seq id (-1: free) and tokens filled. For drawings, stats."""
+        owner = np.full(self.num_blocks, -1, dtype=np.int64)
+        filled = np.zeros(self.num_blocks, dtype=np.int64)
+        for s in self._live:
+            k = int(self._held[s])
+            blocks = self._table[s, :k]
+            owner[blocks] = s
+            filled[blocks] = self.block_size
+            if k:
+                filled[blocks[-1]] = int(self._lens[s]) - (k - 1) * self.block_size
+        return owner, filled
+
+    # -- checks ---------------------------------------------------------------------------------
+    def _rows(self, seq_ids, unique: bool = False) -> np.ndarray:
+        """Sequence ids (list, tuple, tensor or array) -> integer numpy rows, all of them live."""
+        if isinstance(seq_ids, torch.Tensor):
+            rows = seq_ids.cpu().numpy()
+        else:
+            rows = np.asarray(seq_ids, dtype=np.int64)
+        ids = rows.tolist()
+        if not self._live.issuperset(ids) or not ids or (unique and len(set(ids)) != len(ids)):
+            if not ids:
+                raise RequestError("no sequence ids given")
+            unknown = sorted(set(ids) - self._live)
+            if unknown:
+                raise RequestError(f"sequences {unknown} hold no blocks here: reserve them first "
+                                   f"(or they have already been freed)")
+            raise RequestError(f"a sequence id appears twice in {ids}; list each sequence once")
+        return rows
+
+    def _one(self, seq_id) -> int:
+        s = int(seq_id)
+        if s not in self._live:
+            raise RequestError(f"sequence {seq_id} holds no blocks here: reserve it first "
+                               f"(or it has already been freed)")
+        return s
+
+    @staticmethod
+    def _count(num_tokens) -> int:
+        if int(num_tokens) != num_tokens or num_tokens < 0:
+            raise RequestError(f"a token count must be a non-negative integer, got {num_tokens!r}")
+        return int(num_tokens)
+
+    def _check_room(self, seqs, blocks_after, total: int) -> None:
+        """Raise, before anything changes, if a table row or the free set is too small."""
+        if max(blocks_after) > self.max_blocks_per_seq:
+            too_long = [s for s, k in zip(seqs, blocks_after) if k > self.max_blocks_per_seq]
+            raise RequestError(
+                f"sequence(s) {too_long} would need more than max_blocks_per_seq="
+                f"{self.max_blocks_per_seq} blocks ({self.max_blocks_per_seq * self.block_size} "
+                f"tokens); end them sooner or build the CacheManager with a longer table")
+        if total > len(self.free_blocks):
+            raise OutOfBlocksError(
+                f"out of KV blocks: this step needs {total} new block(s) but only "
+                f"{len(self.free_blocks)} of {self.num_blocks} are free; finish or preempt a "
+                f"sequence, or size the pool from a larger KV budget. Nothing was allocated.")
+
+
+def make_cache_managers(args, budget_bytes: int, block_size: int, max_seqs: int,
+                        device="cpu", dtype=torch.float32, seed: int = 0) -> list[CacheManager]:
+    """One CacheManager per layer of a model (`ModelArgs`), pools sized from a KV memory budget.
+
+    Layer i draws its free blocks with seed `seed + i`, so the same logical block of a sequence
+    lands on different physical blocks in different layers, as in the seed code.
+    """
+    num_blocks = num_blocks_for_budget(budget_bytes, block_size, args.n_kv_heads, args.head_dim,
+                                       dtype, args.n_layers)
+    max_blocks_per_seq = min(num_blocks, -(-args.max_seq_len // block_size))
+    return [CacheManager(num_blocks, block_size, args.n_kv_heads, args.head_dim, max_seqs,
+                         max_blocks_per_seq, device=device, dtype=dtype, seed=seed + i)
+            for i in range(args.n_layers)]

@@ -1,0 +1,167 @@
+"""Drawings shared by the notebooks, the chat and the README: matplotlib figures, rich renderables.
+
+Stage 2 (the block pool): `plot_pool` draws a layer's physical blocks coloured by the sequence
+that owns them, filled as far as that sequence has written; `plot_block_tables` draws each
+sequence's logical blocks with an arrow to the physical block holding it; `rich_pool` renders
+the same picture in a terminal. Every function reads a CacheManager, never changes it.
+"""
+
+from __future__ import annotations
+
+import math
+
+FREE_COLOR = "#e6e6e6"     # a free block
+EDGE_COLOR = "#555555"
+
+
+def seq_color(seq_id: int) -> str:
+    """A sequence's colour (matplotlib's tab10, cycled), the same in figures and the terminal."""
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+    return to_hex(colormaps["tab10"](seq_id % 10))
+
+
+def _grid_cols(num_blocks: int) -> int:
+    return max(1, min(32, math.ceil(math.sqrt(num_blocks))))
+
+
+def _draw_pool(ax, cm, cols, origin=(0.0, 0.0), labels=True):
+    """Block b at column b % cols, row b // cols (row 0 on top); returns {block: (x, y)} corners."""
+    from matplotlib.patches import Rectangle
+    owner, filled = cm.pool_usage()
+    x0, y0 = origin
+    corners = {}
+    for b in range(cm.num_blocks):
+        x, y = x0 + b % cols, y0 - b // cols
+        corners[b] = (x, y)
+        s = int(owner[b])
+        color = FREE_COLOR if s < 0 else seq_color(s)
+        ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, facecolor=color,
+                               alpha=1.0 if s < 0 else 0.25, edgecolor=EDGE_COLOR, lw=0.6))
+        if s >= 0:                                  # the filled part, from the bottom up
+            frac = filled[b] / cm.block_size
+            ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9 * frac, facecolor=color,
+                                   edgecolor="none", gid=f"fill-{b}"))
+        if labels:
+            ax.text(x + 0.5, y + 0.5, str(b), ha="center", va="center", fontsize=8,
+                    color="black" if s < 0 else "white" if filled[b] * 2 >= cm.block_size
+                    else "black")
+    return corners
+
+
+def _legend(ax, seq_ids):
+    from matplotlib.patches import Patch
+    handles = [Patch(facecolor=seq_color(s), label=f"seq {s}") for s in seq_ids]
+    handles.append(Patch(facecolor=FREE_COLOR, edgecolor=EDGE_COLOR, label="free"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
+              frameon=False)
+
+
+def plot_pool(managers, cols: int | None = None, titles=None, labels: bool | None = None):
+    """The physical pool of one CacheManager, or one panel per layer for a list of them.
+
+    A block's colour says which sequence owns it (grey: free), its solid part how many of its
+    `block_size` slots hold tokens. Returns the matplotlib Figure.
+    """
+    import matplotlib.pyplot as plt
+    cms = managers if isinstance(managers, (list, tuple)) else [managers]
+    cols = cols or _grid_cols(cms[0].num_blocks)
+    rows = math.ceil(cms[0].num_blocks / cols)
+    labels = cms[0].num_blocks <= 256 if labels is None else labels
+    size = min(0.8, 8.0 / cols)
+    fig, axes = plt.subplots(1, len(cms), squeeze=False,
+                             figsize=(len(cms) * (cols * size + 1.2), rows * size + 0.8))
+    for i, (ax, cm) in enumerate(zip(axes[0], cms)):
+        _draw_pool(ax, cm, cols, labels=labels)
+        ax.set_xlim(0, cols)
+        ax.set_ylim(-rows + 1, 1)
+        ax.set_aspect("equal")
+        ax.axis("off")
+        used = cm.num_used_blocks
+        default = f"layer {i}: {used} of {cm.num_blocks} blocks used"
+        ax.set_title(titles[i] if titles else default, fontsize=9)
+    live = sorted(set().union(*(cm.live_seq_ids() for cm in cms)))
+    _legend(axes[0][-1], live)
+    fig.tight_layout()
+    return fig
+
+
+def plot_block_tables(cm, seq_ids=None, cols: int | None = None, title: str | None = None):
+    """Each sequence's logical blocks (left) with an arrow to the physical block that holds them.
+
+    Logical block j of a sequence holds its tokens j*block_size ... (j+1)*block_size - 1; the
+    arrow shows where in the pool they really are. Returns the matplotlib Figure.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+    seq_ids = cm.live_seq_ids() if seq_ids is None else list(seq_ids)
+    cols = cols or _grid_cols(cm.num_blocks)
+    pool_rows = math.ceil(cm.num_blocks / cols)
+    held = {s: cm.blocks_of(s) for s in seq_ids}
+    width = max([len(b) for b in held.values()] + [1])
+    lens = dict(zip(seq_ids, cm.seq_lens_for(seq_ids).tolist())) if seq_ids else {}
+    left, gap = 2.2, 2.5                                  # label room, logical -> pool gap
+    pool_x = left + width + gap
+    height = max(len(seq_ids) * 1.4, pool_rows)
+    fig, ax = plt.subplots(figsize=(min(16, 0.55 * (pool_x + cols) + 1.5), 0.55 * height + 1.2))
+    corners = _draw_pool(ax, cm, cols, origin=(pool_x, 0.0), labels=cm.num_blocks <= 256)
+    for r, s in enumerate(seq_ids):
+        y = -r * 1.4
+        ax.text(left - 0.2, y + 0.5, f"seq {s}\n{lens[s]} tokens", ha="right", va="center",
+                fontsize=8)
+        for j, b in enumerate(held[s]):
+            in_block = min(cm.block_size, lens[s] - j * cm.block_size)
+            ax.add_patch(Rectangle((left + j + 0.05, y + 0.05), 0.9, 0.9,
+                                   facecolor=seq_color(s), alpha=0.25, edgecolor=EDGE_COLOR))
+            ax.add_patch(Rectangle((left + j + 0.05, y + 0.05), 0.9,
+                                   0.9 * in_block / cm.block_size, facecolor=seq_color(s)))
+            ax.text(left + j + 0.5, y + 0.5, f"L{j}\n{in_block}/{cm.block_size}", ha="center",
+                    va="center", fontsize=6.5)
+            bx, by = corners[b]
+            ax.add_patch(FancyArrowPatch((left + j + 0.5, y + 0.05), (bx + 0.05, by + 0.5),
+                                         arrowstyle="-|>", mutation_scale=9, lw=0.8,
+                                         color=seq_color(s), alpha=0.8,
+                                         connectionstyle="arc3,rad=0.15", gid=f"arrow-{s}-{j}"))
+    ax.text(left + width / 2, 1.3, "logical blocks", ha="center", fontsize=9)
+    ax.text(pool_x + cols / 2, 1.3, "physical blocks (the pool)", ha="center", fontsize=9)
+    ax.set_xlim(0, pool_x + cols + 0.2)
+    ax.set_ylim(-height + 0.6, 1.8)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def rich_pool(cm, cols: int | None = None, title: str = "KV block pool"):
+    """The pool and the block tables as a rich renderable (print it with a rich Console)."""
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+    owner, filled = cm.pool_usage()
+    cols = cols or _grid_cols(cm.num_blocks)
+    digits = len(str(cm.num_blocks - 1))
+    grid = Text()
+    for b in range(cm.num_blocks):
+        s = int(owner[b])
+        style = "dim" if s < 0 else f"bold white on {seq_color(s)}"
+        grid.append(f" {b:>{digits}} ", style=style)
+        if b % cols == cols - 1 and b != cm.num_blocks - 1:
+            grid.append("\n")
+    used = cm.num_used_blocks
+    pool = Panel(grid, title=f"{title}: {used} used, {cm.num_free_blocks} free",
+                 expand=False)
+    tables = Table(title="block tables (logical -> physical)", title_justify="left")
+    tables.add_column("seq")
+    tables.add_column("tokens", justify="right")
+    tables.add_column("blocks")
+    tables.add_column("empty slots in last block", justify="right")
+    for s in cm.live_seq_ids():
+        blocks = cm.blocks_of(s)
+        n = int(cm.seq_lens_for([s])[0])
+        tables.add_row(Text(f"seq {s}", style=f"bold {seq_color(s)}"), str(n),
+                       " ".join(str(b) for b in blocks),
+                       str(len(blocks) * cm.block_size - n))
+    return Group(pool, tables)
