@@ -67,7 +67,7 @@ def evaluate(model, stream: torch.Tensor, seq_len: int, max_windows: int = 64) -
     return sum(losses) / len(losses)
 
 
-def train(out_dir: Path = DEFAULT_MODEL_DIR, steps: int = 1200, batch_size: int = 24,
+def train(out_dir: Path = DEFAULT_MODEL_DIR, steps: int = 450, batch_size: int = 24,
           seq_len: int = 256, lr: float = 3e-3, seed: int = 0, threads: int = 2,
           plot_path: Path | None = None):
     from rich.progress import (BarColumn, Progress, TextColumn, TimeElapsedColumn,
@@ -148,7 +148,7 @@ def train(out_dir: Path = DEFAULT_MODEL_DIR, steps: int = 1200, batch_size: int 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_MODEL_DIR, help="folder to write the model to")
-    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--steps", type=int, default=450)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=DEFAULT_MODEL_DIR.parent / "loss_curve.png")
     a = parser.parse_args(argv)

@@ -1,5 +1,8 @@
 """Drawings shared by the notebooks, the chat and the README: matplotlib figures, rich renderables.
 
+Stage 1 (the contiguous cache): `plot_contiguous_cache` draws each sequence's reserved row of
+slots, coloured by what each slot holds — prompt, generated token, or nothing yet.
+
 Stage 2 (the block pool): `plot_pool` draws a layer's physical blocks coloured by the sequence
 that owns them, filled as far as that sequence has written; `plot_block_tables` draws each
 sequence's logical blocks with an arrow to the physical block holding it; `rich_pool` renders
@@ -165,3 +168,65 @@ def rich_pool(cm, cols: int | None = None, title: str = "KV block pool"):
                        " ".join(str(b) for b in blocks),
                        str(len(blocks) * cm.block_size - n))
     return Group(pool, tables)
+
+
+# -- stage 1: the contiguous cache ----------------------------------------------------------------
+
+def plot_contiguous_cache(snapshots, max_seq_len: int, prompt_lens, titles=None, show: int | None = None):
+    """One heat map per snapshot: rows = sequences, columns = reserved slots.
+
+    snapshots: a list of per-sequence stored-token counts (what `ContiguousCache.usage()[0]`
+    returns); prompt_lens: each sequence's prompt length, so prompt and generated slots get
+    their own colours. `show` limits the columns drawn (the rest are reserved and empty too).
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    import numpy as np
+
+    cols = show or max_seq_len
+    fig, axes = plt.subplots(len(snapshots), 1, figsize=(10, 0.5 + 0.45 * len(prompt_lens) * len(snapshots)),
+                             squeeze=False)
+    cmap = ListedColormap([FREE_COLOR, "#4c72b0", "#dd8452"])    # empty, prompt, generated
+    for k, (ax, used) in enumerate(zip(axes[:, 0], snapshots)):
+        grid = np.zeros((len(used), cols))
+        for row, (n, p) in enumerate(zip(used, prompt_lens)):
+            grid[row, :min(n, p, cols)] = 1
+            grid[row, min(p, cols):min(n, cols)] = 2
+        ax.imshow(grid, cmap=cmap, vmin=0, vmax=2, aspect="auto", interpolation="nearest")
+        ax.set_yticks(range(len(used)), [f"seq {i}" for i in range(len(used))])
+        share = sum(used) / (len(used) * max_seq_len)
+        ax.set_title((titles[k] + " — " if titles else "") +
+                     f"{sum(used)} of {len(used) * max_seq_len} reserved slots hold a token ({share:.1%})",
+                     fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("slot (position)" + (f" — first {cols} of {max_seq_len} shown" if cols < max_seq_len else ""))
+    from matplotlib.patches import Patch
+    fig.legend(handles=[Patch(color=c, label=l) for c, l in
+                        zip(cmap.colors, ["reserved, empty", "prompt", "generated"])],
+               loc="upper right", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return fig
+
+
+# -- the embedded model's training -----------------------------------------------------------------
+
+def plot_loss_curve(history, report, path=None):
+    """Training loss per step, with the held-out loss and the unigram baseline as lines."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    if path is not None:
+        matplotlib.use("Agg")
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(history, lw=1, color="#4c72b0", label="training loss (batch)")
+    ax.axhline(report["heldout_loss"], color="#dd8452", ls="--",
+               label=f"held-out loss {report['heldout_loss']:.2f}")
+    ax.axhline(report["unigram_heldout_loss"], color="#888888", ls=":",
+               label=f"unigram baseline {report['unigram_heldout_loss']:.2f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title("the embedded model learning its corpus", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
