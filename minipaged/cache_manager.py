@@ -138,6 +138,10 @@ class CacheManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_blocks)
 
+    def __contains__(self, seq_id) -> bool:
+        """`seq_id in cm`: does that sequence hold blocks here?"""
+        return int(seq_id) in self._live
+
     def live_seq_ids(self) -> list[int]:
         return sorted(self._live)
 

@@ -56,12 +56,36 @@ def check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_le
                 "Shorten the prompt, ask for fewer new tokens, or raise max_seq_len.")
 
 
-def make_cache(kind: str, model, max_batch: int, max_seq_len: int, **options):
-    """The KV cache `generate` runs on: "contiguous" (stage 1)."""
+def make_cache(kind: str, model, prompts, max_new_tokens: int, max_seq_len: int,
+               block_size: int = 16, num_blocks: int | None = None, kv_budget: int | None = None,
+               seed: int = 0, backend: str = "auto"):
+    """The KV cache `generate` runs on.
+
+    "contiguous" (stage 1) reserves max_seq_len slots for every prompt. "paged" (stage 3) keeps
+    a pool of `num_blocks` blocks per layer — or as many as `kv_budget` bytes hold, or else just
+    enough for every prompt's full length — and hands them out as sequences grow.
+    """
     p = next(model.parameters())
     if kind == "contiguous":
-        return ContiguousCache(model.args, max_batch, max_seq_len, device=p.device, dtype=p.dtype)
-    raise RequestError(f"unknown cache {kind!r}: choose 'contiguous'")
+        return ContiguousCache(model.args, len(prompts), max_seq_len, device=p.device, dtype=p.dtype)
+    if kind == "paged":
+        from .cache_manager import num_blocks_for_budget
+        from .paged_attention import PagedCache
+
+        if not isinstance(block_size, int) or block_size < 1:
+            raise RequestError(f"block_size must be a positive integer, not {block_size!r}")
+        a = model.args
+        if num_blocks is None and kv_budget is not None:
+            num_blocks = num_blocks_for_budget(kv_budget, block_size, a.n_kv_heads, a.head_dim,
+                                               p.dtype, a.n_layers)
+        if num_blocks is None:
+            num_blocks = sum(-(-(len(q) + max_new_tokens) // block_size) for q in prompts)
+        if num_blocks < 1:
+            raise RequestError(f"a KV budget of {kv_budget} bytes holds no block of {block_size} "
+                               "tokens; give it more memory or use smaller blocks")
+        return PagedCache(a, num_blocks, block_size, len(prompts), max_seq_len,
+                          device=p.device, dtype=p.dtype, seed=seed, backend=backend)
+    raise RequestError(f"unknown cache {kind!r}: choose 'contiguous' or 'paged'")
 
 
 @torch.inference_mode()
@@ -70,7 +94,8 @@ def generate(model, prompts, max_new_tokens: int, cache="contiguous", temperatur
              callback=None, **cache_options) -> list[list[int]]:
     """Continue each prompt (a list of token ids); return only the new tokens, in prompt order.
 
-    cache: "contiguous", or a cache object already built. stop_tokens: None uses the model's
+    cache: "contiguous", "paged" (options: block_size, num_blocks, kv_budget, backend), or a
+    cache object already built. stop_tokens: None uses the model's
     (`model.args.stop_tokens`), [] never stops early; a stop token ends its sequence and is not
     returned. callback(event, seq_id, token, cache) is called after every prefill and decode
     token — the notebooks use it to draw the cache as it fills.
@@ -79,7 +104,7 @@ def generate(model, prompts, max_new_tokens: int, cache="contiguous", temperatur
     check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_len)
     stop = set(model.args.stop_tokens if stop_tokens is None else stop_tokens)
     if isinstance(cache, str):
-        cache = make_cache(cache, model, len(prompts), max_seq_len, **cache_options)
+        cache = make_cache(cache, model, prompts, max_new_tokens, max_seq_len, **cache_options)
     device = next(model.parameters()).device
     gens = [row_generator(seed, i) if temperature > 0 else None for i in range(len(prompts))]
     out = [[] for _ in prompts]

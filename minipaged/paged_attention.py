@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from .errors import OutOfBlocksError, RequestError
+from .errors import OutOfBlocksError
 from .kv_cache import attention_over_cache
 
 try:  # optional: the CUDA kernel, `pip install flash-attn --no-build-isolation`
@@ -241,6 +241,7 @@ class PagedCache:
         from .cache_manager import CacheManager
 
         self.block_size, self.max_seq_len, self.backend = block_size, max_seq_len, backend
+        self.num_blocks = num_blocks
         max_blocks = -(-max_seq_len // block_size)
         self.managers = [CacheManager(num_blocks, block_size, args.n_kv_heads, args.head_dim,
                                       max_seqs, max_blocks, device=device, dtype=dtype,
@@ -249,33 +250,31 @@ class PagedCache:
         self.block_tables = None          # per layer, (B, max_blocks_used) int32
 
     def prepare(self, seq_ids, num_new_tokens: int) -> None:
-        """Reserve blocks for new sequences, grow known ones; raise OutOfBlocksError untouched."""
-        seq_ids = list(seq_ids)
+        """Before a forward: new sequences reserve blocks, known ones grow — in every layer, or
+        (OutOfBlocksError) in none. Then build each layer's block table for the batch."""
+        seq_ids = [int(s) for s in seq_ids]
         first = self.managers[0]
-        new = [s for s in seq_ids if not first.has(s)]
-        old = [s for s in seq_ids if first.has(s)]
-        lens_before = {s: 0 for s in new}
-        if old:
-            lens_before.update(zip(old, first.seq_lens_for(old).tolist()))
-        for s in seq_ids:
-            if lens_before[s] + num_new_tokens > self.max_seq_len:
-                raise RequestError(f"sequence {s} would reach {lens_before[s] + num_new_tokens} "
-                                   f"tokens; this cache was built for {self.max_seq_len}")
-        # Every layer holds the same tokens, so every layer needs the same number of blocks.
-        needed = sum(first.blocks_needed(lens_before[s], num_new_tokens) for s in seq_ids)
+        new = [s for s in seq_ids if s not in first]
+        old = [s for s in seq_ids if s in first]
+        # Every layer holds the same tokens, so every layer needs the same number of blocks:
+        # check once, up front, so a failure leaves all layers untouched.
+        lens = first.seq_lens.numpy()
+        held = first.num_blocks_held.numpy()
+        bs = self.block_size
+        needed = sum(-(-num_new_tokens // bs) for _ in new) + sum(
+            max(0, -(-(int(lens[s]) + num_new_tokens) // bs) - int(held[s])) for s in old)
         if needed > first.num_free_blocks:
             raise OutOfBlocksError(
-                f"this step needs {needed} more blocks per layer but only {first.num_free_blocks} "
-                f"are free; finish or free a sequence, or give the pool more memory")
+                f"out of KV blocks: this step needs {needed} new block(s) per layer but only "
+                f"{first.num_free_blocks} of {first.num_blocks} are free; finish a sequence or "
+                f"give the pool more memory. Nothing was allocated.")
         for m in self.managers:
             for s in new:
                 m.reserve(s, num_new_tokens)
             if old:
                 m.grow(old, num_new_tokens)
-        device = first.k_cache_paged.device
-        self.cache_seqlens = torch.tensor([lens_before[s] for s in seq_ids], dtype=torch.int32,
-                                          device=device)
-        self.block_tables = [m.block_table_for(seq_ids).to(device) for m in self.managers]
+        self.cache_seqlens = first.seq_lens_for(seq_ids) - num_new_tokens     # (B,) before the step
+        self.block_tables = [m.block_table_for(seq_ids) for m in self.managers]
 
     def attend(self, layer: int, q, k, v):
         m = self.managers[layer]
@@ -285,5 +284,13 @@ class PagedCache:
                                        backend=self.backend)
 
     def free(self, seq_id: int) -> None:
+        """A finished sequence returns every block, in every layer, at once."""
         for m in self.managers:
             m.free(seq_id)
+
+    def usage(self):
+        """(used, reserved) slots per live sequence: tokens stored vs blocks held x block_size."""
+        m = self.managers[0]
+        ids = m.live_seq_ids()
+        return ([int(m.seq_lens[s]) for s in ids],
+                [int(m.num_blocks_held[s]) * self.block_size for s in ids])
