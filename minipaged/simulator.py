@@ -70,6 +70,11 @@ class SimResult:
     def waste_at(self, step: int) -> KVWaste:
         return KVWaste(*(int(self.series[k][step]) for k in KINDS), self.bytes_per_slot)
 
+    @property
+    def saturated(self) -> bool:
+        """Did a request ever wait for memory? If not, the budget never limited this policy."""
+        return bool((self.series["waiting"] > 0).any())
+
     def busy(self) -> np.ndarray:
         """The steps during which requests wait for memory (all steps if none ever waited)."""
         busy = self.series["waiting"] > 0
@@ -227,9 +232,10 @@ class _Server:
         Sj = self.S[:, None] + np.arange(k + 1)                    # (R, k+1) tokens stored
         if self.paged:
             Aj = self.blocks(Sj) * self.bs                         # (R, k+1) slots held
-            k = int((Aj.sum(0) <= self.num_blocks * self.bs).sum()) - 1
+            held = Aj.sum(0)                                       # (k+1,)
+            k = int((held <= self.num_blocks * self.bs).sum()) - 1 # ...until the pool runs dry
             Sj, Aj = Sj[:, :k + 1], Aj[:, :k + 1]
-            external, idle = 0, self.budget - Aj.sum(0)            # free blocks serve anyone
+            external, idle = 0, self.budget - held[:k + 1]         # free blocks serve anyone
         else:
             Aj = self.size[self.ids][:, None]                      # (R, 1): extents stay put
             head = self.head()

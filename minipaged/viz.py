@@ -354,6 +354,22 @@ def plot_concurrency(results):
     return fig
 
 
+def plot_workload(workload, bins: int = 60):
+    """Histograms of a workload's prompt and output lengths, with their means."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3))
+    for ax, lens, what in zip(axes, (workload.prompt_lens, workload.output_lens),
+                              ("prompt", "output")):
+        ax.hist(lens, bins=bins, color="#4c72b0", alpha=0.8)
+        ax.axvline(lens.mean(), color="#c44e52", ls="--", label=f"mean {lens.mean():.1f}")
+        ax.set_xlabel(f"{what} length (tokens)")
+        ax.set_ylabel("requests")
+        ax.legend(fontsize=8, frameon=False)
+    fig.suptitle(workload.describe(), fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def plot_waste_over_time(result, title: str | None = None):
     """One run's KV memory by kind, step by step (a stacked area, % of the KV memory)."""
     import matplotlib.pyplot as plt
@@ -372,9 +388,11 @@ def plot_waste_over_time(result, title: str | None = None):
     return fig
 
 
-def plot_slot_map(slot_map, title: str = "", row_labels=None, cols: int | None = None):
+def plot_slot_map(slot_map, title: str = "", row_labels=None, cols: int | None = None,
+                  marks=None):
     """Every slot coloured by kind: a paged pool's (num_blocks, block_size) map, one block a row,
-    or a contiguous region's (capacity,) map cut into rows of `cols` slots."""
+    or a contiguous region's (capacity,) map cut into rows of `cols` slots. `marks` writes a
+    label into slots, {flat slot index: text} (say, each request's name at its first slot)."""
     import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.colors import ListedColormap
@@ -383,7 +401,7 @@ def plot_slot_map(slot_map, title: str = "", row_labels=None, cols: int | None =
         cols = cols or 32
         grid = np.pad(grid, (0, -len(grid) % cols), constant_values=-1).reshape(-1, cols)
     rows, width = grid.shape
-    fig, ax = plt.subplots(figsize=(min(12, 1.5 + 0.3 * width), 0.8 + 0.3 * rows))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.5 + 0.3 * width), 0.9 + 0.3 * rows))
     cmap = ListedColormap(["white"] + list(KIND_COLORS.values()))
     ax.imshow(grid + 1, cmap=cmap, vmin=0, vmax=5, aspect="equal", interpolation="nearest")
     ax.set_xticks(np.arange(-0.5, width), minor=True)
@@ -395,6 +413,9 @@ def plot_slot_map(slot_map, title: str = "", row_labels=None, cols: int | None =
         ax.set_yticks(range(rows), row_labels, fontsize=7)
     else:
         ax.set_yticks([])
+    for slot, text in (marks or {}).items():
+        ax.text(slot % width, slot // width, text, ha="center", va="center", fontsize=8,
+                color="white", fontweight="bold")
     ax.set_title(title, fontsize=10)
     _kind_legend(fig, loc="lower center")
     fig.tight_layout(rect=(0, 0.12 if rows < 6 else 0.06, 1, 1))
@@ -419,7 +440,11 @@ def rich_policy_table(results, workload=None, budget_slots=None, bytes_per_slot=
     base = results[0].mean_running()
     for r in results:
         s = r.shares()
-        table.add_row(r.policy.label, *(f"{100 * s[k]:.1f}%" for k in KIND_COLORS),
+        table.add_row(r.policy.label + ("" if r.saturated else " *"),
+                      *(f"{100 * s[k]:.1f}%" for k in KIND_COLORS),
                       f"{100 * r.token_share_of_allocated():.1f}%", f"{r.mean_running():.1f}",
                       f"{r.mean_running() / base:.1f}x", f"{r.num_steps:,}", f"{r.preemptions:,}")
+    if not all(r.saturated for r in results):
+        table.caption = ("* no request ever waited: the budget did not limit this policy, and its "
+                         "shares are over all steps; offer more requests or a smaller budget")
     return table
