@@ -21,7 +21,7 @@ contiguous policies on, so their external fragmentation is measured, not assumed
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -127,21 +127,24 @@ def _finals(final_lens, seq_ids):
 def measure_paged(cache, final_lens: dict) -> KVWaste:
     """Read a PagedCache (or one CacheManager, or a list of them) as KVWaste.
 
-    Every layer's pool is read and summed, in bytes; a slot is one token in all layers. Free
-    blocks are never external: any of them serves any request.
+    Every layer's pool is read; they must agree (every layer holds the same tokens), and a slot
+    is then one token in all layers. Free blocks are never external: any serves any request.
     """
     managers = getattr(cache, "managers", cache)
     managers = managers if isinstance(managers, (list, tuple)) else [managers]
-    parts = []
+    layers, layer_bytes = [], 0
     for m in managers:
         ids = m.live_seq_ids()
         stored = m.seq_lens.numpy()[ids]
         allocated = m.num_blocks_held.numpy()[ids] * m.block_size
+        layers.append(waste(stored, allocated, _finals(final_lens, ids),
+                            m.num_blocks * m.block_size))
         k = m.k_cache_paged
-        layer_bytes = 2 * k.shape[2] * k.shape[3] * k.element_size()   # K and V, one layer
-        parts.append((waste(stored, allocated, _finals(final_lens, ids),
-                            m.num_blocks * m.block_size), layer_bytes))
-    return _sum_layers(parts)
+        layer_bytes += 2 * k.shape[2] * k.shape[3] * k.element_size()   # K and V, one layer
+    if any(w != layers[0] for w in layers):
+        raise MiniPagedError("the layers of this cache disagree about what they hold: "
+                             "drive every layer's CacheManager with the same calls")
+    return replace(layers[0], bytes_per_slot=layer_bytes)
 
 
 def measure_contiguous(cache, final_lens: dict, next_need: int | None = None) -> KVWaste:
@@ -163,16 +166,6 @@ def measure_contiguous(cache, final_lens: dict, next_need: int | None = None) ->
     return waste(lens[live], np.full(live.size, cache.max_seq_len),
                  _finals(final_lens, live.tolist()), cache.max_batch * cache.max_seq_len,
                  pieces, next_need, bytes_per_slot=cache.bytes_per_slot())
-
-
-def _sum_layers(parts) -> KVWaste:
-    """Per-layer KVWaste (slots, bytes per slot) -> one KVWaste whose slot spans all layers."""
-    totals = [sum(getattr(w, f) * b for w, b in parts)
-              for f in ("tokens", "reservation", "internal", "external", "idle")]
-    per_slot = sum(b for _, b in parts)
-    if any(t % per_slot for t in totals):
-        raise MiniPagedError("the layers of this cache disagree about what they hold")
-    return KVWaste(*(t // per_slot for t in totals), bytes_per_slot=per_slot)
 
 
 # -- slot maps: the category of every slot, for drawings -----------------------------------------

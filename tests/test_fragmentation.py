@@ -10,7 +10,7 @@ from conftest import tiny_model
 
 from minipaged import generate
 from minipaged.cache_manager import CacheManager
-from minipaged.errors import OutOfBlocksError, RequestError, TraceError
+from minipaged.errors import MiniPagedError, OutOfBlocksError, RequestError, TraceError
 from minipaged.fragmentation import (EXTERNAL, IDLE, INTERNAL, RESERVED, TOKEN,
                                      FirstFitAllocator, KVWaste, measure_contiguous,
                                      measure_paged, slot_map_paged, slot_map_region, waste)
@@ -41,6 +41,16 @@ def test_a_growing_paged_request_splits_its_last_block_into_reservation_and_inte
     cm.reserve(1, 5)                          # will end at 40: its one block is all reservation
     w = measure_paged(cm, {0: 20, 1: 40})
     assert (w.tokens, w.reservation, w.internal, w.idle) == (23, 2 + 11, 12, 16)
+
+
+def test_layers_that_disagree_are_refused():
+    layers = [CacheManager(4, 16, 1, 2, max_seqs=2, max_blocks_per_seq=4, seed=s) for s in (0, 1)]
+    for cm in layers:
+        cm.reserve(0, 18)
+    assert measure_paged(layers, {0: 20}).bytes_per_slot == 2 * (2 * 1 * 2 * 4)   # two layers
+    layers[1].grow([0], 1)                    # layer 1 now holds a token layer 0 does not
+    with pytest.raises(MiniPagedError, match="disagree"):
+        measure_paged(layers, {0: 20})
 
 
 def test_slot_map_of_a_paged_pool():
@@ -279,6 +289,8 @@ def real_run():
 
     The stop tokens are picked from an unstopped greedy run, so every request's output length
     (the stop token counts as produced) is known before the measured run starts."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)        # a model this small only loses time to threads on a busy CPU
     model = tiny_model()
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in PROMPT_LENS]
@@ -287,7 +299,8 @@ def real_run():
     returned = [next((i for i, t in enumerate(o) if t in stops), MAX_NEW) for o in free_run]
     outputs = [min(n + 1, MAX_NEW) for n in returned]
     assert len(set(outputs)) >= 3
-    return model, prompts, stops, returned, outputs
+    yield model, prompts, stops, returned, outputs
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
