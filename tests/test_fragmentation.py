@@ -63,6 +63,8 @@ def test_slot_map_of_a_paged_pool():
     assert grid[last].tolist() == [TOKEN, RESERVED, INTERNAL, INTERNAL]
     free = ({0, 1, 2} - {first, last}).pop()
     assert grid[free].tolist() == [IDLE] * 4
+    counts = np.bincount(grid.ravel(), minlength=5).tolist()   # the map and the metric agree
+    assert counts == list(measure_paged(cm, {0: 6}).slots().values())
 
 
 def test_contiguous_reservation_internal_and_external_by_hand():
