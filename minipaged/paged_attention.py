@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from .errors import OutOfBlocksError
+from .errors import OutOfBlocksError, RequestError
 from .kv_cache import attention_over_cache
 
 try:  # optional: the CUDA kernel, `pip install flash-attn --no-build-isolation`
@@ -260,6 +260,14 @@ class PagedCache:
         # check once, up front, so a failure leaves all layers untouched.
         lens = first.seq_lens.numpy()
         held = first.num_blocks_held.numpy()
+        if not seq_ids or len(set(seq_ids)) != len(seq_ids) or not all(
+                0 <= s < first.max_seqs for s in new):
+            raise RequestError(f"sequence ids must be distinct and lie in [0, {first.max_seqs}); "
+                               f"got {seq_ids}")
+        longest = max(int(lens[s]) if s in first else 0 for s in seq_ids) + num_new_tokens
+        if longest > self.max_seq_len:
+            raise RequestError(f"a sequence would reach {longest} tokens, past this cache's "
+                               f"max_seq_len={self.max_seq_len}; end it sooner or build a larger cache")
         bs = self.block_size
         needed = sum(-(-num_new_tokens // bs) for _ in new) + sum(
             max(0, -(-(int(lens[s]) + num_new_tokens) // bs) - int(held[s])) for s in old)
