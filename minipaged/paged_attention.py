@@ -148,10 +148,15 @@ def _torch_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, bl
 
 
 def _gather(cache, table, L):
-    """Copy the first L slots of each row's blocks into one contiguous (B, L, Hk, D) tensor."""
-    used = min(cache.shape[1], L)        # one block: only its first L slots are needed
-    blocks = cache[table, :used]                      # (B, n, used, Hk, D)
-    return blocks.flatten(1, 2)[:, :L]                # (B, L, Hk, D)
+    """Copy the first L slots of each row's blocks into one contiguous (B, L, Hk, D) tensor.
+
+    `index_select` along the block dimension copies each block as one piece of memory; the
+    equivalent `cache[table]` goes element by element and takes twice as long on a CPU.
+    """
+    B, n = table.shape
+    used = min(cache.shape[1], L)        # L < block_size: only the first L slots of one block
+    blocks = cache[:, :used].index_select(0, table.flatten())          # (B * n, used, Hk, D)
+    return blocks.view(B, n * used, *cache.shape[2:])[:, :L]           # (B, L, Hk, D)
 
 
 # -- checks and dispatch -------------------------------------------------------------------------
