@@ -29,7 +29,7 @@ def ceil_div(a, b):
 def test_paged_equals_contiguous_equals_no_cache(block_size):
     model = tiny_model(max_seq_len=1024)
     prompts = mixed_prompts(block_size)
-    n = 12                                        # the block-2 prompt of each size crosses a boundary
+    n = 12                # the prompt just under a block crosses into the next (at size 1, all do)
     expected = [greedy_reference(model, p, n) for p in prompts]
     paged = generate(model, prompts, n, cache="paged", block_size=block_size, stop_tokens=[])
     contiguous = generate(model, prompts, n, cache="contiguous", stop_tokens=[])
