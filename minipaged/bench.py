@@ -1,0 +1,221 @@
+"""The benchmark that justifies paging: one trace, one KV memory budget, three ways to serve it.
+
+    python -m minipaged.bench                  # the table (embedded model, 2 CPU cores)
+    python -m minipaged.bench --sweep          # also tokens/s against the KV budget, drawn
+
+(a) contiguous, static batches — stage 1's cache, as the seed code serves: every request in a
+    batch reserves `max_seq_len` slots, so the budget fixes the batch at
+    budget // max_seq_len requests, and the next batch starts when the slowest one ends.
+(b) paged, static batches — blocks instead of reservations: a batch admits as many requests
+    as their prompts' blocks allow, and preempts when they outgrow the pool; still, nobody new
+    joins until the whole batch is done.
+(c) paged, continuous batching — stage 5's engine: a finished request's blocks go to a waiting
+    one at the next step.
+
+The trace is ShareGPT-like: prompt and output lengths drawn from exponential distributions with
+the means the vLLM paper reports for ShareGPT (161.31 and 337.99 tokens; Kwon et al. 2023,
+Fig. 11), every length divided by `--scale` (4), and the context limit scaled the same way
+(the paper's OPT models have 2048 positions; 2048 / 4 = 512). A request whose prompt + output
+exceeds the limit is drawn again. Every request arrives at once (offline serving, as in vLLM's
+throughput benchmark), prompts are random token ids, and stop tokens are ignored so each request
+generates exactly its drawn output length — the same work for all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .cache_manager import bytes_per_block
+from .engine import Engine
+from .generate import generate
+from .kv_cache import ContiguousCache
+
+SHAREGPT_MEAN_INPUT, SHAREGPT_MEAN_OUTPUT = 161.31, 337.99     # vLLM paper, Fig. 11
+PAPER_CONTEXT = 2048                                           # OPT's context in the paper
+
+
+def sharegpt_like_trace(num_requests: int, scale: float = 4.0, vocab: int = 4096, seed: int = 0):
+    """[(prompt token ids, output length)]: exponential lengths with ShareGPT's means / scale."""
+    rng = random.Random(seed)
+    limit = int(PAPER_CONTEXT / scale)
+    trace = []
+    while len(trace) < num_requests:
+        p = max(1, round(rng.expovariate(scale / SHAREGPT_MEAN_INPUT)))
+        o = max(1, round(rng.expovariate(scale / SHAREGPT_MEAN_OUTPUT)))
+        if p + o <= limit:
+            trace.append(([rng.randrange(vocab) for _ in range(p)], o))
+    return trace, limit
+
+
+@dataclass
+class Result:
+    name: str
+    seconds: float
+    requests: int
+    generated_tokens: int
+    mean_batch: float
+    max_batch: int
+    preemptions: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.seconds
+
+
+class _CountingContiguousCache(ContiguousCache):
+    """ContiguousCache that remembers each decode step's batch size."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.batches = []
+
+    def prepare(self, seq_ids, num_new_tokens):
+        super().prepare(seq_ids, num_new_tokens)
+        if num_new_tokens == 1:
+            self.batches.append(len(seq_ids))
+
+
+def serve_contiguous_static(model, trace, budget_bytes, max_seq_len) -> Result:
+    """(a): batches of budget // (max_seq_len slots) requests, each run to its end."""
+    a = model.args
+    per_slot = 2 * a.n_layers * a.n_kv_heads * a.head_dim * next(model.parameters()).element_size()
+    batch = budget_bytes // (max_seq_len * per_slot)
+    if batch < 1:
+        raise ValueError(f"a budget of {budget_bytes:,} bytes cannot reserve even one "
+                         f"{max_seq_len}-token row")
+    batches, start = [], time.perf_counter()
+    for i in range(0, len(trace), batch):
+        part = trace[i:i + batch]
+        cache = _CountingContiguousCache(a, len(part), max_seq_len,
+                                         dtype=next(model.parameters()).dtype)
+        generate(model, [p for p, _ in part], [o for _, o in part], cache=cache, stop_tokens=[])
+        batches += cache.batches
+    seconds = time.perf_counter() - start
+    return Result("(a) contiguous, static batches", seconds, len(trace),
+                  sum(o for _, o in trace), sum(batches) / len(batches), max(batches), 0)
+
+
+def serve_paged(model, trace, budget_bytes, max_seq_len, block_size=16, static=False,
+                preemption="recompute", progress=False) -> Result:
+    """(b) with `static`, else (c): stage 5's engine over a pool sized from the budget."""
+    engine = Engine(model, None, block_size, preemption, kv_budget=budget_bytes,
+                    max_seq_len=max_seq_len, static_batches=static)
+    for prompt, o in trace:
+        engine.add_request(prompt, o, stop_tokens=[])
+    start = time.perf_counter()
+    engine.run(progress=progress, description="(b) paged, static" if static else "(c) paged, continuous")
+    seconds = time.perf_counter() - start
+    st = engine.stats
+    name = "(b) paged, static batches" if static else "(c) paged, continuous batching"
+    return Result(name, seconds, len(trace), st.generated_tokens, st.mean_running,
+                  st.running_max, st.preemptions)
+
+
+def run_all(model, trace, budget_bytes, max_seq_len, block_size=16, preemption="recompute",
+            progress=False) -> list[Result]:
+    return [serve_contiguous_static(model, trace, budget_bytes, max_seq_len),
+            serve_paged(model, trace, budget_bytes, max_seq_len, block_size, True, preemption,
+                        progress),
+            serve_paged(model, trace, budget_bytes, max_seq_len, block_size, False, preemption,
+                        progress)]
+
+
+def results_table(results, title: str):
+    """The three side by side, plus (c)/(a) and (c)/(b), as a rich Table."""
+    from rich.table import Table
+    t = Table(title=title, title_justify="left")
+    for col in ("server", "requests/s", "tokens/s", "mean batch", "max batch", "preemptions",
+                "seconds"):
+        t.add_column(col, justify="left" if col == "server" else "right")
+    for r in results:
+        t.add_row(r.name, f"{r.requests_per_s:.2f}", f"{r.tokens_per_s:,.0f}",
+                  f"{r.mean_batch:.1f}", str(r.max_batch), str(r.preemptions), f"{r.seconds:.1f}")
+    a, b, c = results
+    for other in (a, b):
+        t.add_row(f"(c) / {other.name[:3]}", f"{c.requests_per_s / other.requests_per_s:.2f}x",
+                  f"{c.tokens_per_s / other.tokens_per_s:.2f}x",
+                  f"{c.mean_batch / other.mean_batch:.2f}x", "", "", "", style="bold")
+    return t
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m minipaged.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="a Llama 3 checkpoint folder (default: the embedded model)")
+    p.add_argument("--random-model", action="store_true",
+                   help="the embedded model's shape with random weights (speed does not depend "
+                        "on the weights)")
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--scale", type=float, default=4.0, help="divide ShareGPT's lengths by this")
+    p.add_argument("--budget-rows", type=int, default=16,
+                   help="KV budget, in contiguous rows of max_seq_len tokens (default 16)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sweep", action="store_true",
+                   help="also serve the trace at budgets of 4, 8, 16 and 32 rows and draw it")
+    p.add_argument("--plot", default="assets/bench_throughput_vs_budget.png")
+    args = p.parse_args(argv)
+
+    from rich.console import Console
+    from .errors import MiniPagedError
+    console = Console()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        model = _load(args)
+    except MiniPagedError as err:
+        console.print(f"[red]{err}[/red]")
+        raise SystemExit(1)
+    trace, max_seq_len = sharegpt_like_trace(args.requests, args.scale,
+                                             min(model.args.vocab_size, 4096), args.seed)
+    a = model.args
+    dtype = next(model.parameters()).dtype
+    per_token = bytes_per_block(1, a.n_kv_heads, a.head_dim, dtype, a.n_layers)
+    budget = args.budget_rows * max_seq_len * per_token
+    mean_in = sum(len(q) for q, _ in trace) / len(trace)
+    mean_out = sum(o for _, o in trace) / len(trace)
+    caption = (f"{len(trace)} requests, ShareGPT-like lengths / {args.scale:g} (mean in "
+               f"{mean_in:.1f}, out {mean_out:.1f}; max_seq_len {max_seq_len}); KV budget "
+               f"{budget / 2**20:.1f} MiB = {args.budget_rows * max_seq_len:,} tokens; block "
+               f"{args.block_size}, preemption by {args.preemption}; {torch.get_num_threads()} "
+               f"thread(s)")
+    results = run_all(model, trace, budget, max_seq_len, args.block_size, args.preemption,
+                      progress=True)
+    console.print(results_table(results, caption))
+    if args.sweep:
+        from . import viz
+        rows_list = [4, 8, 16, 32]
+        sweep = {r: (results if r == args.budget_rows else
+                     run_all(model, trace, r * max_seq_len * per_token, max_seq_len,
+                             args.block_size, args.preemption, progress=True))
+                 for r in rows_list}
+        fig = viz.plot_throughput_vs_budget(
+            [r * max_seq_len * per_token for r in rows_list], [sweep[r] for r in rows_list],
+            title=f"{len(trace)} ShareGPT-like requests (lengths / {args.scale:g}), "
+                  f"{torch.get_num_threads()} CPU thread(s)")
+        fig.savefig(args.plot, dpi=120)
+        console.print(f"wrote {args.plot}")
+
+
+def _load(args):
+    from .train import embedded_model_args, N_RANKS
+    if args.random_model:
+        torch.manual_seed(0)
+        from .model import Llama
+        return Llama(embedded_model_args(N_RANKS + 256)).eval()
+    from .checkpoint import load_model
+    return load_model(args.model)
+
+
+if __name__ == "__main__":
+    main()
