@@ -19,6 +19,12 @@ import torch.nn.functional as F
 from .errors import OutOfBlocksError, RequestError
 
 
+def kv_bytes_per_token(args, dtype=torch.bfloat16) -> int:
+    """Bytes of K and V one token occupies across all layers: 2 * n_layers * n_kv_heads * head_dim
+    * bytes per element. Llama 3 8B in bf16: 2 * 32 * 8 * 128 * 2 = 131,072 (128 KiB)."""
+    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * dtype.itemsize
+
+
 def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=None):
     """Attend `q` to the first `seqlens_k[b]` keys of row b (the one attention both caches share).
 
@@ -118,3 +124,7 @@ class ContiguousCache:
         """Bytes of K and V for one token position, summed over all layers."""
         k = self.k_cache[0]
         return 2 * self.n_layers * k.shape[2] * k.shape[3] * k.element_size()
+
+    def reserved_bytes(self) -> int:
+        """What this cache took from memory the moment it was built, used or not."""
+        return self.max_batch * self.max_seq_len * self.bytes_per_slot()

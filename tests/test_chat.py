@@ -1,0 +1,40 @@
+"""`python -m minipaged.chat` as a user runs it: one-shot, piped, and with a bad path."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_chat(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "minipaged.chat", *args], cwd=ROOT, input=stdin,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_prompt_mode_answers_and_exits():
+    r = run_chat("--prompt", "what is a block table?", "--max-new-tokens", "60")
+    assert r.returncode == 0, r.stderr
+    assert "block" in r.stdout.lower()
+
+
+def test_piped_stdin_is_one_message_per_line():
+    r = run_chat("--max-new-tokens", "40", stdin="hello!\nwhat is paged attention?\n")
+    assert r.returncode == 0, r.stderr
+    replies = [line for line in r.stdout.splitlines() if line.strip()]
+    assert len(replies) >= 2 and "attention" in r.stdout.lower()
+
+
+def test_a_wrong_path_is_one_sentence_and_no_traceback(tmp_path):
+    for path in (tmp_path / "missing", tmp_path):
+        r = run_chat("--model", str(path), "--prompt", "hi")
+        assert r.returncode != 0
+        assert "Traceback" not in r.stderr and "error:" in r.stderr
+        assert str(path.name) in r.stderr
+
+
+def test_bad_numbers_are_refused_clearly():
+    r = run_chat("--prompt", "hi", "--max-new-tokens", "0")
+    assert r.returncode != 0 and "max-new-tokens" in r.stderr and "Traceback" not in r.stderr
+    r = run_chat("--prompt", "hi", "--top-p", "0")
+    assert r.returncode != 0 and "top_p" in r.stderr and "Traceback" not in r.stderr
