@@ -12,19 +12,18 @@
 (c) paged, continuous batching — stage 5's engine: a finished request's blocks go to a waiting
     one at the next step.
 
-The trace is ShareGPT-like: prompt and output lengths drawn from exponential distributions with
-the means the vLLM paper reports for ShareGPT (161.31 and 337.99 tokens; Kwon et al. 2023,
-Fig. 11), every length divided by `--scale` (4), and the context limit scaled the same way
-(the paper's OPT models have 2048 positions; 2048 / 4 = 512). A request whose prompt + output
-exceeds the limit is drawn again. Every request arrives at once (offline serving, as in vLLM's
-throughput benchmark), prompts are random token ids, and stop tokens are ignored so each request
-generates exactly its drawn output length — the same work for all three.
+The trace is stage 4's ShareGPT-like workload (`workloads.synthetic`: geometric lengths with
+the means the vLLM paper reports for ShareGPT, 161.31 prompt and 337.99 output tokens; Kwon et
+al. 2023, Fig. 11) with every length divided by `--scale` (4), and the context limit scaled the
+same way (the paper's OPT models have 2048 positions; 2048 / 4 = 512, where a longer request is
+cut). Every request arrives at once (offline serving, as in vLLM's throughput benchmark),
+prompts are random token ids, and stop tokens are ignored so each request generates exactly its
+drawn output length — the same work for all three.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
 import time
 from dataclasses import dataclass
 
@@ -34,22 +33,21 @@ from .cache_manager import bytes_per_block
 from .engine import Engine
 from .generate import generate
 from .kv_cache import ContiguousCache
+from .workloads import SHAREGPT, synthetic
 
-SHAREGPT_MEAN_INPUT, SHAREGPT_MEAN_OUTPUT = 161.31, 337.99     # vLLM paper, Fig. 11
-PAPER_CONTEXT = 2048                                           # OPT's context in the paper
+PAPER_CONTEXT = 2048          # the context of the OPT models the vLLM paper served
 
 
 def sharegpt_like_trace(num_requests: int, scale: float = 4.0, vocab: int = 4096, seed: int = 0):
-    """[(prompt token ids, output length)]: exponential lengths with ShareGPT's means / scale."""
-    rng = random.Random(seed)
+    """[(prompt token ids, output length)] and the context limit: stage 4's ShareGPT-like
+    lengths (geometric, the paper's means) divided by `scale`, prompts of random token ids."""
     limit = int(PAPER_CONTEXT / scale)
-    trace = []
-    while len(trace) < num_requests:
-        p = max(1, round(rng.expovariate(scale / SHAREGPT_MEAN_INPUT)))
-        o = max(1, round(rng.expovariate(scale / SHAREGPT_MEAN_OUTPUT)))
-        if p + o <= limit:
-            trace.append(([rng.randrange(vocab) for _ in range(p)], o))
-    return trace, limit
+    lengths = synthetic(num_requests, SHAREGPT[0] / scale, SHAREGPT[1] / scale, seed=seed,
+                        max_seq_len=limit)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(vocab, (int(n),), generator=gen).tolist()
+               for n in lengths.prompt_lens]
+    return list(zip(prompts, lengths.output_lens.tolist())), limit
 
 
 @dataclass
