@@ -29,10 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache_manager import bytes_per_block
 from .engine import Engine
 from .generate import generate
-from .kv_cache import ContiguousCache
+from .kv_cache import ContiguousCache, kv_bytes_per_token
 from .workloads import SHAREGPT, synthetic
 
 PAPER_CONTEXT = 2048          # the context of the OPT models the vLLM paper served
@@ -56,8 +55,8 @@ class Result:
     seconds: float
     requests: int
     generated_tokens: int
-    mean_batch: float
-    max_batch: int
+    mean_concurrent: float
+    max_concurrent: int
     preemptions: int
 
     @property
@@ -84,17 +83,15 @@ class _CountingContiguousCache(ContiguousCache):
 
 def serve_contiguous_static(model, trace, budget_bytes, max_seq_len) -> Result:
     """(a): batches of budget // (max_seq_len slots) requests, each run to its end."""
-    a = model.args
-    per_slot = 2 * a.n_layers * a.n_kv_heads * a.head_dim * next(model.parameters()).element_size()
-    batch = budget_bytes // (max_seq_len * per_slot)
+    a, dtype = model.args, next(model.parameters()).dtype
+    batch = budget_bytes // (max_seq_len * kv_bytes_per_token(a, dtype))
     if batch < 1:
         raise ValueError(f"a budget of {budget_bytes:,} bytes cannot reserve even one "
                          f"{max_seq_len}-token row")
     batches, start = [], time.perf_counter()
     for i in range(0, len(trace), batch):
         part = trace[i:i + batch]
-        cache = _CountingContiguousCache(a, len(part), max_seq_len,
-                                         dtype=next(model.parameters()).dtype)
+        cache = _CountingContiguousCache(a, len(part), max_seq_len, dtype=dtype)
         generate(model, [p for p, _ in part], [o for _, o in part], cache=cache, stop_tokens=[])
         batches += cache.batches
     seconds = time.perf_counter() - start
@@ -110,10 +107,10 @@ def serve_paged(model, trace, budget_bytes, max_seq_len, block_size=16, static=F
     for prompt, o in trace:
         engine.add_request(prompt, o, stop_tokens=[])
     start = time.perf_counter()
-    engine.run(progress=progress, description="(b) paged, static" if static else "(c) paged, continuous")
+    name = "(b) paged, static batches" if static else "(c) paged, continuous batching"
+    engine.run(progress=progress, description=name)
     seconds = time.perf_counter() - start
     st = engine.stats
-    name = "(b) paged, static batches" if static else "(c) paged, continuous batching"
     return Result(name, seconds, len(trace), st.generated_tokens, st.mean_running,
                   st.running_max, st.preemptions)
 
@@ -131,22 +128,24 @@ def results_table(results, title: str):
     """The three side by side, plus (c)/(a) and (c)/(b), as a rich Table."""
     from rich.table import Table
     t = Table(title=title, title_justify="left")
-    for col in ("server", "requests/s", "tokens/s", "mean batch", "max batch", "preemptions",
-                "seconds"):
+    for col in ("server", "requests/s", "tokens/s", "mean concurrent", "max concurrent",
+                "preemptions", "seconds"):
         t.add_column(col, justify="left" if col == "server" else "right")
     for r in results:
         t.add_row(r.name, f"{r.requests_per_s:.2f}", f"{r.tokens_per_s:,.0f}",
-                  f"{r.mean_batch:.1f}", str(r.max_batch), str(r.preemptions), f"{r.seconds:.1f}")
+                  f"{r.mean_concurrent:.1f}", str(r.max_concurrent), str(r.preemptions),
+                  f"{r.seconds:.1f}")
     a, b, c = results
     for other in (a, b):
         t.add_row(f"(c) / {other.name[:3]}", f"{c.requests_per_s / other.requests_per_s:.2f}x",
                   f"{c.tokens_per_s / other.tokens_per_s:.2f}x",
-                  f"{c.mean_batch / other.mean_batch:.2f}x", "", "", "", style="bold")
+                  f"{c.mean_concurrent / other.mean_concurrent:.2f}x", "", "", "", style="bold")
     return t
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m minipaged.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m minipaged.bench",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--model", help="a Llama 3 checkpoint folder (default: the embedded model)")
     p.add_argument("--random-model", action="store_true",
                    help="the embedded model's shape with random weights (speed does not depend "
@@ -176,9 +175,7 @@ def main(argv=None):
         raise SystemExit(1)
     trace, max_seq_len = sharegpt_like_trace(args.requests, args.scale,
                                              min(model.args.vocab_size, 4096), args.seed)
-    a = model.args
-    dtype = next(model.parameters()).dtype
-    per_token = bytes_per_block(1, a.n_kv_heads, a.head_dim, dtype, a.n_layers)
+    per_token = kv_bytes_per_token(model.args, next(model.parameters()).dtype)
     budget = args.budget_rows * max_seq_len * per_token
     mean_in = sum(len(q) for q, _ in trace) / len(trace)
     mean_out = sum(o for _, o in trace) / len(trace)

@@ -138,7 +138,8 @@ class Engine:
             tokens = torch.tensor([[r.output[-1]] for r in plan.decode],
                                   device=self.device)                            # (B, 1)
             logits = self.model(tokens, cache=self.cache)[:, -1]                 # (B, V)
-            sampled += [(r, t, "decode") for r, t in zip(plan.decode, self._sample(plan.decode, logits))]
+            new = self._sample(plan.decode, logits)
+            sampled += [(r, t, "decode") for r, t in zip(plan.decode, new)]
         for r in plan.prefill:
             ids = r.prompt + r.output                  # after a recompute: everything so far
             self.cache.prepare([r.seq_id], len(ids))

@@ -42,7 +42,7 @@ class Request:
     stop_tokens: frozenset = frozenset()
     arrival_step: int = 0
     output: list[int] = field(default_factory=list)
-    status: str = "pending"               # pending (not arrived), waiting, running, swapped, finished
+    status: str = "pending"               # not arrived yet; then waiting, running, swapped, finished
     seq_id: int | None = None             # its row in the cache while it holds blocks
     num_preemptions: int = 0
     finish_step: int | None = None

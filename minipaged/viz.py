@@ -569,7 +569,7 @@ def plot_bench(results, title: str | None = None):
     fig, axes = plt.subplots(1, 2, figsize=(10, 3))
     names = [r.name.replace(", ", ",\n") for r in results]
     for ax, (label, get) in zip(axes, [("generated tokens / s", lambda r: r.tokens_per_s),
-                                       ("mean requests per step", lambda r: r.mean_batch)]):
+                                       ("mean concurrent requests", lambda r: r.mean_concurrent)]):
         vals = [get(r) for r in results]
         ax.barh(names, vals, color=BENCH_COLORS[:len(results)])
         for y, v in enumerate(vals):

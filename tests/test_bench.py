@@ -32,8 +32,8 @@ def test_three_servers_do_the_same_work_within_one_budget():
     a, b, c = bench.run_all(model, trace, 3 * limit * per_token, limit, block_size=4)
     assert a.generated_tokens == b.generated_tokens == c.generated_tokens == \
         sum(o for _, o in trace)
-    assert a.max_batch == 3 and a.preemptions == 0         # 3 reserved rows, never more
-    assert c.max_batch > 3                                 # the same memory holds more
+    assert a.max_concurrent == 3 and a.preemptions == 0     # 3 reserved rows, never more
+    assert c.max_concurrent > 3                             # the same memory holds more
     table = bench.results_table([a, b, c], "t")
     assert table.row_count == 5
 
