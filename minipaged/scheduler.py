@@ -128,7 +128,7 @@ class Scheduler:
         if out.preempted:             # memory is tight: admit nobody this step (as vLLM does)
             return out
 
-        # 2. Swapped requests come back first (they arrived before anyone still waiting).
+        # 2. Swapped requests come back first, oldest first (as in vLLM v0).
         while self.swapped:
             req = self.swapped[0]
             held = self.blocks_for(req.num_tokens - 1)
