@@ -24,6 +24,8 @@ drawn output length — the same work for all three.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -52,16 +54,21 @@ def sharegpt_like_trace(num_requests: int, scale: float = 4.0, vocab: int = 4096
 @dataclass
 class Result:
     name: str
-    seconds: float
+    seconds: float                  # wall clock
+    cpu_seconds: float              # CPU time this process got: steadier on a shared machine
     requests: int
     generated_tokens: int
-    mean_concurrent: float
+    mean_concurrent: float          # requests in a step's batch, averaged over steps
     max_concurrent: int
     preemptions: int
 
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.seconds
+
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        return self.generated_tokens / self.cpu_seconds
 
     @property
     def requests_per_s(self) -> float:
@@ -88,15 +95,15 @@ def serve_contiguous_static(model, trace, budget_bytes, max_seq_len) -> Result:
     if batch < 1:
         raise ValueError(f"a budget of {budget_bytes:,} bytes cannot reserve even one "
                          f"{max_seq_len}-token row")
-    batches, start = [], time.perf_counter()
+    batches, start, cpu = [], time.perf_counter(), time.process_time()
     for i in range(0, len(trace), batch):
         part = trace[i:i + batch]
         cache = _CountingContiguousCache(a, len(part), max_seq_len, dtype=dtype)
         generate(model, [p for p, _ in part], [o for _, o in part], cache=cache, stop_tokens=[])
         batches += cache.batches
-    seconds = time.perf_counter() - start
-    return Result("(a) contiguous, static batches", seconds, len(trace),
-                  sum(o for _, o in trace), sum(batches) / len(batches), max(batches), 0)
+    return Result("(a) contiguous, static", time.perf_counter() - start,
+                  time.process_time() - cpu, len(trace), sum(o for _, o in trace),
+                  sum(batches) / len(batches), max(batches), 0)
 
 
 def serve_paged(model, trace, budget_bytes, max_seq_len, block_size=16, static=False,
@@ -106,13 +113,12 @@ def serve_paged(model, trace, budget_bytes, max_seq_len, block_size=16, static=F
                     max_seq_len=max_seq_len, static_batches=static)
     for prompt, o in trace:
         engine.add_request(prompt, o, stop_tokens=[])
-    start = time.perf_counter()
-    name = "(b) paged, static batches" if static else "(c) paged, continuous batching"
+    name = "(b) paged, static" if static else "(c) paged, continuous"
+    start, cpu = time.perf_counter(), time.process_time()
     engine.run(progress=progress, description=name)
-    seconds = time.perf_counter() - start
     st = engine.stats
-    return Result(name, seconds, len(trace), st.generated_tokens, st.mean_running,
-                  st.running_max, st.preemptions)
+    return Result(name, time.perf_counter() - start, time.process_time() - cpu, len(trace),
+                  st.generated_tokens, st.mean_running, st.running_max, st.preemptions)
 
 
 def run_all(model, trace, budget_bytes, max_seq_len, block_size=16, preemption="recompute",
@@ -128,17 +134,18 @@ def results_table(results, title: str):
     """The three side by side, plus (c)/(a) and (c)/(b), as a rich Table."""
     from rich.table import Table
     t = Table(title=title, title_justify="left")
-    for col in ("server", "requests/s", "tokens/s", "mean concurrent", "max concurrent",
-                "preemptions", "seconds"):
+    for col in ("server", "requests/s", "tokens/s", "tokens/CPU-s", "mean conc.", "max conc.",
+                "preempted", "wall s"):
         t.add_column(col, justify="left" if col == "server" else "right")
     for r in results:
         t.add_row(r.name, f"{r.requests_per_s:.2f}", f"{r.tokens_per_s:,.0f}",
-                  f"{r.mean_concurrent:.1f}", str(r.max_concurrent), str(r.preemptions),
-                  f"{r.seconds:.1f}")
+                  f"{r.tokens_per_cpu_s:,.0f}", f"{r.mean_concurrent:.1f}",
+                  str(r.max_concurrent), str(r.preemptions), f"{r.seconds:.1f}")
     a, b, c = results
     for other in (a, b):
         t.add_row(f"(c) / {other.name[:3]}", f"{c.requests_per_s / other.requests_per_s:.2f}x",
                   f"{c.tokens_per_s / other.tokens_per_s:.2f}x",
+                  f"{c.tokens_per_cpu_s / other.tokens_per_cpu_s:.2f}x",
                   f"{c.mean_concurrent / other.mean_concurrent:.2f}x", "", "", "", style="bold")
     return t
 
@@ -150,10 +157,10 @@ def main(argv=None):
     p.add_argument("--random-model", action="store_true",
                    help="the embedded model's shape with random weights (speed does not depend "
                         "on the weights)")
-    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--requests", type=int, default=120)
     p.add_argument("--scale", type=float, default=4.0, help="divide ShareGPT's lengths by this")
-    p.add_argument("--budget-rows", type=int, default=16,
-                   help="KV budget, in contiguous rows of max_seq_len tokens (default 16)")
+    p.add_argument("--budget-rows", type=int, default=8,
+                   help="KV budget, in contiguous rows of max_seq_len tokens (default 8)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -165,7 +172,7 @@ def main(argv=None):
 
     from rich.console import Console
     from .errors import MiniPagedError
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -183,16 +190,17 @@ def main(argv=None):
                f"{mean_in:.1f}, out {mean_out:.1f}; max_seq_len {max_seq_len}); KV budget "
                f"{budget / 2**20:.1f} MiB = {args.budget_rows * max_seq_len:,} tokens; block "
                f"{args.block_size}, preemption by {args.preemption}; {torch.get_num_threads()} "
-               f"thread(s)")
+               f"torch thread(s), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    bars = console.is_terminal                 # progress bars only where someone watches
     results = run_all(model, trace, budget, max_seq_len, args.block_size, args.preemption,
-                      progress=True)
+                      progress=bars)
     console.print(results_table(results, caption))
     if args.sweep:
         from . import viz
         rows_list = [4, 8, 16, 32]
         sweep = {r: (results if r == args.budget_rows else
                      run_all(model, trace, r * max_seq_len * per_token, max_seq_len,
-                             args.block_size, args.preemption, progress=True))
+                             args.block_size, args.preemption, progress=bars))
                  for r in rows_list}
         fig = viz.plot_throughput_vs_budget(
             [r * max_seq_len * per_token for r in rows_list], [sweep[r] for r in rows_list],

@@ -584,19 +584,23 @@ def plot_bench(results, title: str | None = None):
 
 
 def plot_throughput_vs_budget(budgets_bytes, results_per_budget, title: str | None = None):
-    """Tokens/s against the KV memory budget, one line per server."""
+    """Generated tokens per second (wall clock, and per CPU-second) against the KV memory
+    budget, one line per server."""
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     mib = [b / 2**20 for b in budgets_bytes]
-    for k, color in enumerate(BENCH_COLORS):
-        ys = [results[k].tokens_per_s for results in results_per_budget]
-        ax.plot(mib, ys, marker="o", color=color, label=results_per_budget[0][k].name)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(mib, [f"{m:g}" for m in mib])
-    ax.set_xlabel("KV cache budget (MiB, all layers)")
-    ax.set_ylabel("generated tokens / s")
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
-    ax.set_title(title or "throughput against KV memory", fontsize=10)
+    panels = [("generated tokens / s (wall clock)", lambda r: r.tokens_per_s),
+              ("generated tokens / CPU-second", lambda r: r.tokens_per_cpu_s)]
+    for ax, (label, get) in zip(axes, panels):
+        for k, color in enumerate(BENCH_COLORS):
+            ys = [get(results[k]) for results in results_per_budget]
+            ax.plot(mib, ys, marker="o", color=color, label=results_per_budget[0][k].name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(mib, [f"{m:g}" for m in mib])
+        ax.set_xlabel("KV cache budget (MiB, all layers)")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title or "throughput against KV memory", fontsize=10)
     fig.tight_layout()
     return fig
