@@ -104,9 +104,13 @@ class Engine:
         stop = self.model.args.stop_tokens if stop_tokens is None else stop_tokens
         req = Request(len(self.requests), list(prompt), int(max_new_tokens), temperature, top_p,
                       generator, frozenset(stop), max(int(arrival_step), self.step_count))
+        if not req.prompt or req.max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
+            raise RequestError(f"request {req.req_id}: need a non-empty prompt, max_new_tokens "
+                               f">= 0, temperature >= 0 and 0 < top_p <= 1")
         if len(req.prompt) + req.max_new_tokens > self.max_seq_len:
             raise RequestError(f"request {req.req_id} needs {len(req.prompt) + req.max_new_tokens}"
-                               f" positions; the cache holds {self.max_seq_len} per sequence")
+                               f" positions but the cache holds {self.max_seq_len} per sequence; "
+                               f"ask for fewer tokens or build the engine with a larger max_seq_len")
         self.scheduler.check(req)
         self.requests.append(req)
         if req.max_new_tokens == 0:                # nothing to do

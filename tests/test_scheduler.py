@@ -198,6 +198,12 @@ def test_bad_engine_options():
         Engine(model, None, 4)
     with pytest.raises(RequestError, match="max_new_tokens"):
         generate(model, [[1], [2]], [3], cache="paged")
+    engine = Engine(model, 8, 4)
+    for bad in [dict(prompt=[]), dict(max_new_tokens=-1), dict(temperature=-1), dict(top_p=0)]:
+        with pytest.raises(RequestError, match="non-empty prompt"):
+            engine.add_request(**{"prompt": [1], "max_new_tokens": 2, **bad})
+    with pytest.raises(RequestError, match="larger max_seq_len"):
+        engine.add_request([1] * 250, 10)
 
 
 def test_run_with_a_progress_bar():
