@@ -293,3 +293,23 @@ def make_cache_managers(args, budget_bytes: int, block_size: int, max_seqs: int,
     return [CacheManager(num_blocks, block_size, args.n_kv_heads, args.head_dim, max_seqs,
                          max_blocks_per_seq, device=device, dtype=dtype, seed=seed + i)
             for i in range(args.n_layers)]
+
+
+# -- moving a sequence to another pool: stage 5's swap -------------------------------------------
+
+def move_sequence(src: CacheManager, dst: CacheManager, seq_id: int) -> tuple[list[int], list[int]]:
+    """Copy a sequence's K/V blocks from one pool into free blocks of another, then free them in
+    the first. GPU -> CPU pool is a swap-out, CPU -> GPU a swap-in; the sequence lands in
+    whatever blocks `dst` draws, so its block table there is new. Returns (src, dst) blocks.
+
+    Raises (OutOfBlocksError, from `dst.reserve`) before anything changes if `dst` lacks room.
+    """
+    n = int(src.seq_lens_for([seq_id])[0])
+    src_blocks = src.blocks_of(seq_id)
+    dst_blocks = dst.reserve(seq_id, n)
+    frm = torch.tensor(src_blocks, dtype=torch.long, device=src.device)     # (k,)
+    to = torch.tensor(dst_blocks, dtype=torch.long, device=dst.device)      # (k,)
+    dst.k_cache_paged[to] = src.k_cache_paged[frm].to(dst.device)           # (k, bs, Hk, D)
+    dst.v_cache_paged[to] = src.v_cache_paged[frm].to(dst.device)
+    src.free(seq_id)
+    return src_blocks, dst_blocks

@@ -34,8 +34,9 @@ def row_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + index)
 
 
-def check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_len):
-    """Refuse a request that cannot be served, before any work is done."""
+def check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_len) -> list[int]:
+    """Refuse a request that cannot be served, before any work is done. Returns the limit of
+    new tokens for each prompt (`max_new_tokens` may be one int or one per prompt)."""
     vocab = model.args.vocab_size
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise RequestError("prompts must be a non-empty list of token-id lists")
@@ -44,19 +45,23 @@ def check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_le
             raise RequestError(f"prompt {i} is empty or not a list of token ids")
         if not all(isinstance(t, int) and 0 <= t < vocab for t in p):
             raise RequestError(f"prompt {i} holds a token id outside [0, {vocab}) or a non-integer")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise RequestError(f"max_new_tokens must be a non-negative integer, not {max_new_tokens!r}")
+    limits = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else \
+        [max_new_tokens] * len(prompts)
+    if len(limits) != len(prompts) or not all(isinstance(m, int) and m >= 0 for m in limits):
+        raise RequestError(f"max_new_tokens must be a non-negative integer, or one per prompt, "
+                           f"not {max_new_tokens!r}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise RequestError(f"need temperature >= 0 and 0 < top_p <= 1; got {temperature}, {top_p}")
-    for i, p in enumerate(prompts):
-        if len(p) + max_new_tokens > max_seq_len:
+    for i, (p, m) in enumerate(zip(prompts, limits)):
+        if len(p) + m > max_seq_len:
             raise RequestError(
-                f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
-                f"{len(p) + max_new_tokens} positions, but the cache holds {max_seq_len} per sequence. "
+                f"prompt {i} has {len(p)} tokens; with max_new_tokens={m} it needs "
+                f"{len(p) + m} positions, but the cache holds {max_seq_len} per sequence. "
                 "Shorten the prompt, ask for fewer new tokens, or raise max_seq_len.")
+    return limits
 
 
-def make_cache(kind: str, model, prompts, max_new_tokens: int, max_seq_len: int,
+def make_cache(kind: str, model, prompts, max_new_tokens, max_seq_len: int,
                block_size: int = 16, num_blocks: int | None = None, kv_budget: int | None = None,
                seed: int = 0, backend: str = "auto"):
     """The KV cache `generate` runs on.
@@ -79,7 +84,9 @@ def make_cache(kind: str, model, prompts, max_new_tokens: int, max_seq_len: int,
             num_blocks = num_blocks_for_budget(kv_budget, block_size, a.n_kv_heads, a.head_dim,
                                                p.dtype, a.n_layers)
         if num_blocks is None:
-            num_blocks = sum(-(-(len(q) + max_new_tokens) // block_size) for q in prompts)
+            limits = max_new_tokens if isinstance(max_new_tokens, list) else \
+                [max_new_tokens] * len(prompts)
+            num_blocks = sum(-(-(len(q) + m) // block_size) for q, m in zip(prompts, limits))
         if num_blocks < 1:
             raise RequestError(f"a KV budget of {kv_budget} bytes holds no block of {block_size} "
                                "tokens; give it more memory or use smaller blocks")
@@ -89,31 +96,36 @@ def make_cache(kind: str, model, prompts, max_new_tokens: int, max_seq_len: int,
 
 
 @torch.inference_mode()
-def generate(model, prompts, max_new_tokens: int, cache="contiguous", temperature: float = 0.0,
+def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: float = 0.0,
              top_p: float = 1.0, stop_tokens=None, seed: int = 0, max_seq_len: int | None = None,
              callback=None, **cache_options) -> list[list[int]]:
     """Continue each prompt (a list of token ids); return only the new tokens, in prompt order.
 
-    cache: "contiguous", "paged" (options: block_size, num_blocks, kv_budget, backend), or a
-    cache object already built. stop_tokens: None uses the model's
-    (`model.args.stop_tokens`), [] never stops early; a stop token ends its sequence and is not
-    returned. callback(event, seq_id, token, cache) is called after every prefill and decode
-    token — the notebooks use it to draw the cache as it fills.
+    max_new_tokens: one int, or one per prompt. cache: "contiguous", "paged" (options:
+    block_size, num_blocks, kv_budget, backend, preemption="recompute"|"swap", watermark), or
+    a cache object already built. With "paged", stage 5's engine serves the prompts: a pool too
+    small for all of them at once makes it admit and preempt rather than fail.
+    stop_tokens: None uses the model's (`model.args.stop_tokens`), [] never stops early; a stop
+    token ends its sequence and is not returned. callback(event, seq_id, token, cache) is called
+    after every prefill and decode token — the notebooks use it to draw the cache as it fills.
     """
     max_seq_len = max_seq_len or getattr(cache, "max_seq_len", None) or model.args.max_seq_len
-    check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_len)
+    limits = check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_len)
     stop = set(model.args.stop_tokens if stop_tokens is None else stop_tokens)
-    if isinstance(cache, str):
-        cache = make_cache(cache, model, prompts, max_new_tokens, max_seq_len, **cache_options)
-    device = next(model.parameters()).device
     gens = [row_generator(seed, i) if temperature > 0 else None for i in range(len(prompts))]
+    if cache == "paged":
+        return _generate_with_engine(model, prompts, limits, temperature, top_p, stop, gens,
+                                     max_seq_len, callback, **cache_options)
+    if isinstance(cache, str):
+        cache = make_cache(cache, model, prompts, limits, max_seq_len, **cache_options)
+    device = next(model.parameters()).device
     out = [[] for _ in prompts]
     live = []                                       # sequences still generating
     next_token = {}
-    if max_new_tokens == 0:
-        return out
 
     for i, p in enumerate(prompts):                 # prefill: one prompt at a time, no padding
+        if limits[i] == 0:
+            continue
         cache.prepare([i], len(p))
         logits = model(torch.tensor([p], device=device), cache=cache, last_only=True)  # (1, 1, V)
         next_token[i] = sample(logits[0, -1], temperature, top_p, gens[i])
@@ -125,11 +137,11 @@ def generate(model, prompts, max_new_tokens: int, cache="contiguous", temperatur
         still = []
         for i in live:                              # record the token each row just produced
             t = next_token[i]
-            if t in stop or len(out[i]) >= max_new_tokens:
+            if t in stop or len(out[i]) >= limits[i]:
                 cache.free(i)                       # done: give the cache back at once
                 continue
             out[i].append(t)
-            if len(out[i]) == max_new_tokens:
+            if len(out[i]) == limits[i]:
                 cache.free(i)
                 continue
             still.append(i)
@@ -144,3 +156,20 @@ def generate(model, prompts, max_new_tokens: int, cache="contiguous", temperatur
             if callback:
                 callback("decode", i, next_token[i], cache)
     return out
+
+
+def _generate_with_engine(model, prompts, limits, temperature, top_p, stop, gens, max_seq_len,
+                          callback, block_size: int = 16, num_blocks: int | None = None,
+                          kv_budget: int | None = None, preemption: str = "recompute",
+                          **engine_options):
+    """cache="paged": every prompt becomes a request of stage 5's engine, all arriving at once."""
+    from .engine import Engine
+
+    if num_blocks is None and kv_budget is None:    # room for everything: nobody is preempted
+        num_blocks = sum(-(-(len(p) + m) // block_size) for p, m in zip(prompts, limits))
+    engine = Engine(model, num_blocks, block_size, preemption, kv_budget=kv_budget,
+                    max_num_seqs=len(prompts), max_seq_len=max_seq_len, **engine_options)
+    engine.callback = callback
+    for p, m, g in zip(prompts, limits, gens):
+        engine.add_request(p, m, temperature, top_p, generator=g, stop_tokens=stop)
+    return [r.output for r in engine.run()]

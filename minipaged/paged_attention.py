@@ -242,7 +242,8 @@ class PagedCache:
     """
 
     def __init__(self, args, num_blocks: int, block_size: int, max_seqs: int, max_seq_len: int,
-                 device="cpu", dtype=torch.float32, seed: int = 0, backend: str = "auto"):
+                 device="cpu", dtype=torch.float32, seed: int = 0, backend: str = "auto",
+                 num_cpu_blocks: int = 0):
         from .cache_manager import CacheManager
 
         self.block_size, self.max_seq_len, self.backend = block_size, max_seq_len, backend
@@ -251,6 +252,11 @@ class PagedCache:
         self.managers = [CacheManager(num_blocks, block_size, args.n_kv_heads, args.head_dim,
                                       max_seqs, max_blocks, device=device, dtype=dtype,
                                       seed=seed + layer) for layer in range(args.n_layers)]
+        # Stage 5's swap space: per layer, a pool of `num_cpu_blocks` blocks in CPU memory.
+        self.cpu_managers = [CacheManager(num_cpu_blocks, block_size, args.n_kv_heads,
+                                          args.head_dim, max_seqs, max_blocks, device="cpu",
+                                          dtype=dtype, seed=seed + 1000 + layer)
+                             for layer in range(args.n_layers)] if num_cpu_blocks else []
         self.cache_seqlens = None         # (B,) int32, tokens stored before this step
         self.block_tables = None          # per layer, (B, max_blocks_used) int32
 
@@ -301,6 +307,36 @@ class PagedCache:
         """A finished sequence returns every block, in every layer, at once."""
         for m in self.managers:
             m.free(seq_id)
+
+    # -- preemption by swap (stage 5) -------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks per layer (every layer holds the same tokens, so the same count)."""
+        return self.managers[0].num_free_blocks
+
+    def can_swap_out(self, seq_id: int) -> bool:
+        """Is there room in the CPU pool for this sequence's blocks?"""
+        return bool(self.cpu_managers) and \
+            len(self.managers[0].blocks_of(seq_id)) <= self.cpu_managers[0].num_free_blocks
+
+    def swap_out(self, seq_id: int) -> int:
+        """Copy the sequence's blocks, every layer, into the CPU pool and free them here.
+        Returns the blocks moved per layer."""
+        return self._move(seq_id, self.managers, self.cpu_managers, "CPU swap pool")
+
+    def swap_in(self, seq_id: int) -> int:
+        """Copy a swapped sequence back into whatever blocks are free now (a new block table)."""
+        return self._move(seq_id, self.cpu_managers, self.managers, "KV pool")
+
+    def _move(self, seq_id, src, dst, where) -> int:
+        from .cache_manager import move_sequence
+        n = len(src[0].blocks_of(seq_id)) if src else 0
+        if not dst or n > dst[0].num_free_blocks:    # check once: all layers move, or none
+            raise OutOfBlocksError(f"the {where} has no room for sequence {seq_id}'s {n} blocks "
+                                   f"per layer; nothing was moved")
+        for s, d in zip(src, dst):
+            move_sequence(s, d, seq_id)
+        return n
 
     def usage(self):
         """(used, reserved) slots per live sequence: tokens stored vs blocks held x block_size."""

@@ -1,0 +1,235 @@
+"""Stage 5: the engine — continuous batching around the scheduler, one step at a time.
+
+    engine = Engine(model, num_blocks=64, block_size=16, preemption="swap")
+    engine.add_request(prompt_ids, max_new_tokens=50, arrival_step=3)
+    while engine.has_unfinished():
+        done = engine.step()            # the requests that finished in this step
+
+A step asks the scheduler what to run, then makes the model calls: one batched decode call for
+every running request (one token each), and one prefill call per newly admitted request (its
+prompt, plus what it had generated before a recompute). Then it samples, appends, and hands
+finished requests back to the scheduler, which frees their blocks at once — so the next step
+can admit someone new in their place. That is continuous (iteration-level) batching: the batch
+changes every step, instead of waiting for its slowest member.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache_manager import bytes_per_block, num_blocks_for_budget
+from .errors import RequestError
+from .generate import sample
+from .scheduler import Request, Scheduler
+
+
+@dataclass
+class EngineStats:
+    """What a run cost, for the benchmark and the lesson."""
+    steps: int = 0
+    busy_steps: int = 0               # steps that ran the model
+    generated_tokens: int = 0
+    prefill_tokens: int = 0           # tokens run through prefill, recomputed ones included
+    recomputed_tokens: int = 0        # ...of which had been computed before a recompute
+    preemptions: int = 0
+    swapped_blocks: int = 0           # blocks per layer copied out or in
+    swap_bytes: int = 0               # bytes copied to or from the CPU pool, all layers
+    running_sum: int = 0              # sum over busy steps of requests holding blocks
+    running_max: int = 0
+    seconds: float = 0.0
+
+    @property
+    def mean_running(self) -> float:
+        return self.running_sum / max(1, self.busy_steps)
+
+
+@dataclass
+class StepRecord:
+    """One step, as the drawings need it: each live request's state and blocks in the pool."""
+    step: int
+    states: dict = field(default_factory=dict)     # req_id -> waiting/preempted/running/swapped
+    blocks: dict = field(default_factory=dict)     # req_id -> blocks held (per layer) in the pool
+    preempted: list = field(default_factory=list)  # (req_id, "recompute" | "swap")
+    num_free_blocks: int = 0
+
+
+class Engine:
+    """Requests in, tokens out: a PagedCache, a Scheduler, and the model between them."""
+
+    def __init__(self, model, num_blocks: int | None = None, block_size: int = 16,
+                 preemption: str = "recompute", *, kv_budget: int | None = None,
+                 max_num_seqs: int = 256, max_seq_len: int | None = None,
+                 num_cpu_blocks: int | None = None, watermark: float = 0.01,
+                 static_batches: bool = False, seed: int = 0, backend: str = "auto",
+                 record: bool = False):
+        from .paged_attention import PagedCache
+
+        self.model = model
+        a, p = model.args, next(model.parameters())
+        if not isinstance(block_size, int) or block_size < 1:
+            raise RequestError(f"block_size must be a positive integer, not {block_size!r}")
+        if num_blocks is None and kv_budget is not None:
+            num_blocks = num_blocks_for_budget(kv_budget, block_size, a.n_kv_heads, a.head_dim,
+                                               p.dtype, a.n_layers)
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise RequestError(f"give the pool a positive num_blocks (or a kv_budget in bytes), "
+                               f"not {num_blocks!r}")
+        if num_cpu_blocks is None:     # swap space as large as the pool (vLLM sizes it in GiB)
+            num_cpu_blocks = num_blocks if preemption == "swap" else 0
+        self.max_seq_len = max_seq_len or a.max_seq_len
+        self.cache = PagedCache(a, num_blocks, block_size, max_num_seqs, self.max_seq_len,
+                                device=p.device, dtype=p.dtype, seed=seed, backend=backend,
+                                num_cpu_blocks=num_cpu_blocks)
+        self.scheduler = Scheduler(self.cache, preemption, watermark, max_num_seqs,
+                                   static_batches)
+        self.device = p.device
+        self.block_bytes = bytes_per_block(block_size, a.n_kv_heads, a.head_dim, p.dtype,
+                                           a.n_layers)
+        self.requests: list[Request] = []          # every request, in the order added
+        self.pending: list[Request] = []           # added, not arrived yet
+        self.step_count = 0
+        self.stats = EngineStats()
+        self.history: list[StepRecord] | None = [] if record else None
+        self.callback = None      # callback(event, req_id, token, cache), as generate's
+
+    # -- requests in -----------------------------------------------------------------------------
+    def add_request(self, prompt, max_new_tokens: int, temperature: float = 0.0,
+                    top_p: float = 1.0, generator=None, stop_tokens=None,
+                    arrival_step: int = 0) -> Request:
+        """Queue a prompt (token ids). It joins `waiting` at `arrival_step` (0: now). A request
+        the pool could never hold is refused here, with a RequestError."""
+        stop = self.model.args.stop_tokens if stop_tokens is None else stop_tokens
+        req = Request(len(self.requests), list(prompt), int(max_new_tokens), temperature, top_p,
+                      generator, frozenset(stop), max(int(arrival_step), self.step_count))
+        if not req.prompt or req.max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
+            raise RequestError(f"request {req.req_id}: need a non-empty prompt, max_new_tokens "
+                               f">= 0, temperature >= 0 and 0 < top_p <= 1")
+        if len(req.prompt) + req.max_new_tokens > self.max_seq_len:
+            raise RequestError(f"request {req.req_id} needs {len(req.prompt) + req.max_new_tokens}"
+                               f" positions but the cache holds {self.max_seq_len} per sequence; "
+                               f"ask for fewer tokens or build the engine with a larger max_seq_len")
+        self.scheduler.check(req)
+        self.requests.append(req)
+        if req.max_new_tokens == 0:                # nothing to do
+            req.status, req.finish_step = "finished", self.step_count
+        else:
+            self.pending.append(req)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending) or self.scheduler.has_unfinished()
+
+    # -- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Schedule, run the model once for the decodes and once per prefill, sample. Returns
+        the requests that finished in this step."""
+        start = time.perf_counter()
+        arrived = [r for r in self.pending if r.arrival_step <= self.step_count]
+        if arrived:
+            self.pending = [r for r in self.pending if r.arrival_step > self.step_count]
+            for r in arrived:
+                self.scheduler.add(r)
+        plan = self.scheduler.schedule()
+        self._count_preemptions(plan)
+
+        sampled = []                                # (request, token, event)
+        if plan.decode:
+            self.cache.prepare([r.seq_id for r in plan.decode], 1)
+            tokens = torch.tensor([[r.output[-1]] for r in plan.decode],
+                                  device=self.device)                            # (B, 1)
+            logits = self.model(tokens, cache=self.cache)[:, -1]                 # (B, V)
+            new = self._sample(plan.decode, logits)
+            sampled += [(r, t, "decode") for r, t in zip(plan.decode, new)]
+        for r in plan.prefill:
+            ids = r.prompt + r.output                  # after a recompute: everything so far
+            self.cache.prepare([r.seq_id], len(ids))
+            logits = self.model(torch.tensor([ids], device=self.device), cache=self.cache,
+                                last_only=True)[:, -1]                           # (1, V)
+            sampled.append((r, self._sample([r], logits)[0], "prefill"))
+            self.stats.prefill_tokens += len(ids)
+            self.stats.recomputed_tokens += len(ids) - 1 if r.output else 0
+
+        if self.history is not None:
+            self._record(plan)
+        finished = []
+        for r, t, event in sampled:
+            if self.callback:
+                self.callback(event, r.req_id, t, self.cache)
+            if t not in r.stop_tokens:
+                r.output.append(t)
+                self.stats.generated_tokens += 1
+            if t in r.stop_tokens or len(r.output) >= r.max_new_tokens:
+                self.scheduler.finish(r)
+                r.finish_step = self.step_count
+                finished.append(r)
+        self.step_count += 1
+        self._count_step(plan, time.perf_counter() - start)
+        return finished
+
+    def _sample(self, reqs, logits) -> list[int]:
+        """One token per row of (B, V) logits: one argmax for the batch, and a draw from each
+        sampling request's own generator."""
+        tokens = logits.argmax(-1).tolist()
+        for i, r in enumerate(reqs):
+            if r.temperature > 0:
+                tokens[i] = sample(logits[i], r.temperature, r.top_p, r.generator)
+        return tokens
+
+    # -- a whole trace ---------------------------------------------------------------------------
+    def run(self, progress: bool = False, description: str = "serving") -> list[Request]:
+        """Step until every request has finished; returns them in the order they were added."""
+        if not progress:
+            while self.has_unfinished():
+                self.step()
+            return self.requests
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
+            TimeElapsedColumn
+        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[queues]}"), TimeElapsedColumn()]
+        with Progress(*columns, transient=True) as bar:
+            task = bar.add_task(description, total=len(self.requests), queues="")
+            while self.has_unfinished():
+                self.step()
+                s = self.scheduler
+                bar.update(task, completed=sum(r.status == "finished" for r in self.requests),
+                           queues=f"running {len(s.running)} · waiting {len(s.waiting)} · "
+                                  f"swapped {len(s.swapped)} · preempted {self.stats.preemptions}")
+        return self.requests
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+    def _count_preemptions(self, plan) -> None:
+        st = self.stats
+        st.preemptions += len(plan.preempted)
+        moved = [r for r, mode in plan.preempted if mode == "swap"] + plan.swapped_in
+        for r in moved:                              # a swapped request holds its cached tokens
+            n = self.scheduler.blocks_for(r.num_tokens - 1)
+            st.swapped_blocks += n
+            st.swap_bytes += n * self.block_bytes
+
+    def _count_step(self, plan, seconds) -> None:
+        st = self.stats
+        st.steps += 1
+        st.seconds += seconds
+        n = len(plan.decode) + len(plan.prefill)     # requests that ran: the batch
+        if n:
+            st.busy_steps += 1
+            st.running_sum += n
+            st.running_max = max(st.running_max, n)
+
+    def _record(self, plan) -> None:
+        """Snapshot after the model ran, before finished requests give their blocks back."""
+        rec = StepRecord(self.step_count, num_free_blocks=self.cache.num_free_blocks,
+                         preempted=[(r.req_id, mode) for r, mode in plan.preempted])
+        first = self.cache.managers[0]
+        for r in self.requests:
+            if r.status in ("pending", "finished"):
+                continue
+            state = "preempted" if r.status == "waiting" and r.num_preemptions else r.status
+            rec.states[r.req_id] = state
+            if r.status == "running":
+                rec.blocks[r.req_id] = int(first.num_blocks_held[r.seq_id])
+        self.history.append(rec)
