@@ -272,7 +272,7 @@ def plot_contiguous_cache(snapshots, max_seq_len: int, prompt_lens, titles=None,
     import numpy as np
 
     cols = show or max_seq_len
-    fig, axes = plt.subplots(len(snapshots), 1, figsize=(10, 0.5 + 0.45 * len(prompt_lens) * len(snapshots)),
+    fig, axes = plt.subplots(len(snapshots), 1, figsize=(10, max(2.0, 0.8 + 0.5 * len(prompt_lens) * len(snapshots))),
                              squeeze=False)
     cmap = ListedColormap([FREE_COLOR, "#4c72b0", "#dd8452"])    # empty, prompt, generated
     for k, (ax, used) in enumerate(zip(axes[:, 0], snapshots)):

@@ -66,40 +66,35 @@ def test_blocks_follow_the_sequences_and_all_return():
     model = tiny_model(n_layers=3)
     prompts = mixed_prompts(bs, seed=2)
     _, stop, cut = stops_at_different_steps(model, prompts, n, bs)
-    stored = {}                      # tokens in the cache per sequence, counted here
-    gone, ending = set(), set()      # sequences freed before this step; finishing in it
-    last = dict(event=None, seq_id=-1)
+    calls = {}                       # callbacks seen per sequence = tokens it produced so far
+    ended_at = {}                    # sequence -> callback number at which it produced its last token
     seen = dict(grew=0, freed_while_others_ran=0, layers_differ=0)
     caches = []
 
     def check(event, seq_id, token, cache):
-        # Decode steps visit the live sequences in prompt order, so a smaller id starts a new
-        # step. Before it, the sequences that finished in the last step were freed, and every
-        # other one stored the token it produced.
-        if event == "decode" and (last["event"] == "prefill" or seq_id <= last["seq_id"]):
-            gone.update(ending)
-            ending.clear()
-            for s in set(stored) - gone:
-                stored[s] += 1
-                seen["grew"] += stored[s] % bs == 1           # that token opened a new block
-        if event == "prefill":
-            stored[seq_id] = len(prompts[seq_id])
-        last.update(event=event, seq_id=seq_id)
+        # When a sequence's token is reported, the cache holds its prompt plus every token it
+        # had produced before this one (the newest is fed at the next step).
+        before = calls.get(seq_id, 0)
         caches.append(cache)
-        live = set(stored) - gone
         for m in cache.managers:
-            assert set(m.live_seq_ids()) == live
+            live = set(m.live_seq_ids())
+            assert int(m.seq_lens_for([seq_id])[0]) == len(prompts[seq_id]) + before
             owned = [b for s in live for b in m.blocks_of(s)]
             assert len(owned) == len(set(owned))              # no block has two owners
             for s in live:
-                assert len(m.blocks_of(s)) == ceil_div(stored[s], bs)
+                assert len(m.blocks_of(s)) == ceil_div(int(m.seq_lens_for([s])[0]), bs)
             assert m.num_used_blocks == len(owned)
+            # A sequence that ended in an earlier step holds nothing any more.
+            done = {s for s, at in ended_at.items() if at < len(caches) - len(prompts)}
+            assert not live & done
+        live = set(cache.managers[0].live_seq_ids())
+        seen["grew"] += (len(prompts[seq_id]) + before) % bs == 1 and before > 0
         tables = [{s: m.blocks_of(s) for s in live} for m in cache.managers]
         seen["layers_differ"] += any(t != tables[0] for t in tables[1:])
-        seen["freed_while_others_ran"] += bool(gone)
-        produced = stored[seq_id] - len(prompts[seq_id]) + 1  # tokens produced so far
-        if token in stop or produced == n:
-            ending.add(seq_id)
+        seen["freed_while_others_ran"] += bool(ended_at) and len(live) < len(prompts)
+        calls[seq_id] = before + 1
+        if token in stop or calls[seq_id] == n:
+            ended_at[seq_id] = len(caches)
 
     out = generate(model, prompts, n, cache="paged", block_size=bs, stop_tokens=stop, callback=check)
     assert out == cut
@@ -159,11 +154,15 @@ def test_a_sequence_outgrowing_max_seq_len_leaves_every_layer_untouched():
     assert same(snapshot(cache), before)
 
 
-def test_generate_with_too_small_a_pool_raises_out_of_blocks():
+def test_a_pool_too_small_for_everyone_waits_and_one_too_small_for_anyone_refuses():
     model = tiny_model()
     prompts = mixed_prompts(4)
-    with pytest.raises(OutOfBlocksError):
-        generate(model, prompts, 8, cache="paged", block_size=4, num_blocks=5, stop_tokens=[])
+    want = generate(model, prompts, 8, cache="contiguous", stop_tokens=[])
+    longest = max(-(-(len(p) + 7) // 4) for p in prompts)        # blocks the longest one needs
+    assert generate(model, prompts, 8, cache="paged", block_size=4, num_blocks=longest,
+                    stop_tokens=[]) == want                      # stage 5 queues and preempts
+    with pytest.raises(RequestError, match="could never run"):
+        generate(model, prompts, 8, cache="paged", block_size=4, num_blocks=longest - 1, stop_tokens=[])
 
 
 def test_a_kv_budget_sizes_the_pool():
