@@ -35,6 +35,8 @@ def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=
 
     Exact for any content past `seqlens_k[b]` (a reused block's stale data, even NaN): those
     slots are zeroed before the product, since a softmax weight of 0 times NaN is still NaN.
+    They are zeroed IN PLACE: k_ctx and v_ctx are scratch copies (both caches gather into fresh
+    tensors), so only each row's tail is written instead of copying every key once more.
     A query that sees no key at all gets a zero output, as in flash-attn.
     """
     B, Sq, Hq, D = q.shape
@@ -43,8 +45,9 @@ def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=
     key_pos = torch.arange(L, device=q.device)                      # (L,)
     seqlens_k = seqlens_k.to(device=q.device, dtype=torch.long)
     valid = key_pos[None, :] < seqlens_k[:, None]                   # (B, L)
-    k_ctx = k_ctx.masked_fill(~valid[:, :, None, None], 0)
-    v_ctx = v_ctx.masked_fill(~valid[:, :, None, None], 0)
+    for b, n in enumerate(seqlens_k.tolist()):   # a masked copy of all keys would cost ~25x more
+        k_ctx[b, n:] = 0
+        v_ctx[b, n:] = 0
     mask = valid[:, None, :]                                        # (B, 1, L)
     if causal:
         last_visible = seqlens_k[:, None] - Sq + torch.arange(Sq, device=q.device)  # (B, Sq)
@@ -111,8 +114,9 @@ class ContiguousCache:
         self.v_cache[layer][rows[:, None], positions] = v
         seqlens_k = start + T                                                  # (B,)
         L = int(self.seq_lens[self.rows].max())
-        k_ctx = self.k_cache[layer][rows, :L]                                  # (B, L, Hk, D)
-        v_ctx = self.v_cache[layer][rows, :L]
+        # A copy of the rows' first L slots (index_select copies each row's slots in one piece).
+        k_ctx = self.k_cache[layer][:, :L].index_select(0, rows)               # (B, L, Hk, D)
+        v_ctx = self.v_cache[layer][:, :L].index_select(0, rows)
         return attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True)
 
     # -- what the lesson draws ------------------------------------------------------------------

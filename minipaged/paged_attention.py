@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from .errors import OutOfBlocksError
+from .errors import OutOfBlocksError, RequestError
 from .kv_cache import attention_over_cache
 
 try:  # optional: the CUDA kernel, `pip install flash-attn --no-build-isolation`
@@ -148,10 +148,15 @@ def _torch_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, bl
 
 
 def _gather(cache, table, L):
-    """Copy the first L slots of each row's blocks into one contiguous (B, L, Hk, D) tensor."""
-    used = min(cache.shape[1], L)        # one block: only its first L slots are needed
-    blocks = cache[table, :used]                      # (B, n, used, Hk, D)
-    return blocks.flatten(1, 2)[:, :L]                # (B, L, Hk, D)
+    """Copy the first L slots of each row's blocks into one contiguous (B, L, Hk, D) tensor.
+
+    `index_select` along the block dimension copies each block as one piece of memory; the
+    equivalent `cache[table]` goes element by element and takes twice as long on a CPU.
+    """
+    B, n = table.shape
+    used = min(cache.shape[1], L)        # L < block_size: only the first L slots of one block
+    blocks = cache[:, :used].index_select(0, table.flatten())          # (B * n, used, Hk, D)
+    return blocks.view(B, n * used, *cache.shape[2:])[:, :L]           # (B, L, Hk, D)
 
 
 # -- checks and dispatch -------------------------------------------------------------------------
@@ -257,15 +262,24 @@ class PagedCache:
 
     def prepare(self, seq_ids, num_new_tokens: int) -> None:
         """Before a forward: new sequences reserve blocks, known ones grow — in every layer, or
-        (OutOfBlocksError) in none. Then build each layer's block table for the batch."""
+        (RequestError, OutOfBlocksError) in none. Then build each layer's block table."""
         seq_ids = [int(s) for s in seq_ids]
         first = self.managers[0]
         new = [s for s in seq_ids if s not in first]
         old = [s for s in seq_ids if s in first]
         # Every layer holds the same tokens, so every layer needs the same number of blocks:
-        # check once, up front, so a failure leaves all layers untouched.
+        # check everything once, up front, so a failure leaves all layers untouched.
         lens = first.seq_lens.numpy()
         held = first.num_blocks_held.numpy()
+        if not seq_ids or len(set(seq_ids)) < len(seq_ids) or \
+                not all(0 <= s < first.max_seqs for s in new):
+            raise RequestError(f"sequence ids must be distinct and lie in [0, {first.max_seqs}); "
+                               f"got {seq_ids}")
+        longest = max(int(lens[s]) if s in first else 0 for s in seq_ids) + num_new_tokens
+        if longest > self.max_seq_len:
+            raise RequestError(f"a sequence would reach {longest} tokens, past this cache's "
+                               f"max_seq_len={self.max_seq_len}; end it sooner or build a "
+                               f"larger cache. Nothing was allocated.")
         bs = self.block_size
         needed = sum(-(-num_new_tokens // bs) for _ in new) + sum(
             max(0, -(-(int(lens[s]) + num_new_tokens) // bs) - int(held[s])) for s in old)

@@ -8,6 +8,9 @@ that owns them, filled as far as that sequence has written; `plot_block_tables` 
 sequence's logical blocks with an arrow to the physical block holding it; `rich_pool` renders
 the same picture in a terminal. Every function reads a CacheManager, never changes it.
 
+Stage 3 (paged attention): `plot_gather` draws one layer's pool slot by slot and, below it, the
+contiguous (B, L) view that attention gathers each row's scattered blocks into.
+
 Stage 5 (scheduling): `plot_timeline` (a Gantt chart of requests: waiting, running, preempted,
 swapped), `plot_pool_over_time` (blocks per request, stacked, preemptions marked), both from an
 `Engine(record=True).history`; `plot_preemption_costs` (recompute vs swap); `plot_bench` and
@@ -175,6 +178,86 @@ def rich_pool(cm, cols: int | None = None, title: str = "KV block pool"):
     return Group(pool, tables)
 
 
+# -- stage 3: what attention gathers -------------------------------------------------------------
+
+def plot_gather(cache, seq_ids=None, layer: int = 0, cols: int | None = None, newest: bool = True):
+    """One layer's pool, slot by slot (top), gathered into the contiguous (B, L) view (bottom).
+
+    `cache` is a PagedCache (its `managers[layer]` is drawn) or a CacheManager. Row b of the
+    view holds sequence seq_ids[b]'s tokens in order, L = the longest sequence; each group of
+    `block_size` slots is copied from the physical block its block table names (arrows). Slots
+    past a row's length are masked (hatched). With `newest`, each sequence's last token — the
+    one a decode step just wrote at block = pos // block_size, offset = pos % block_size — is
+    outlined in both places. Returns the matplotlib Figure.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+    cm = cache.managers[layer] if hasattr(cache, "managers") else cache
+    seq_ids = cm.live_seq_ids() if seq_ids is None else list(seq_ids)
+    bs, owner, filled = cm.block_size, *cm.pool_usage()
+    lens = cm.seq_lens_for(seq_ids).tolist() if seq_ids else []
+    held = {s: cm.blocks_of(s) for s in seq_ids}
+    L = max(lens + [1])
+    n = -(-L // bs)                                        # blocks per gathered row
+    cols = cols or max(1, min(math.ceil(math.sqrt(2 * cm.num_blocks)), 64 // (bs + 1)))
+    newest_slot = {s: (held[s][(m - 1) // bs], (m - 1) % bs) for s, m in zip(seq_ids, lens) if m}
+
+    def cell(ax, x, y, color, alpha=1.0, hatch=None, gid=None, outline=False):
+        ax.add_patch(Rectangle((x, y), 0.9, 0.9, facecolor=color, alpha=alpha, hatch=hatch,
+                               edgecolor="black" if outline else EDGE_COLOR,
+                               lw=2.0 if outline else 0.4, gid=gid))
+
+    pool_rows = -(-cm.num_blocks // cols)
+    view_top = -pool_rows * 1.5 - 1.5                      # the gathered view sits below the pool
+    width = max(cols * (bs + 1), n * (bs + 0.5) + 2)
+    fig, ax = plt.subplots(figsize=(min(16, 0.32 * width + 1), 0.32 * (pool_rows * 1.5 + 1.5 * len(seq_ids) + 3) + 1))
+    corner = {}
+    for b in range(cm.num_blocks):                         # the pool: block b, slots 0..bs-1
+        x0, y0 = (b % cols) * (bs + 1), -(b // cols) * 1.5
+        corner[b] = (x0, y0)
+        ax.text(x0 + bs / 2, y0 + 1.05, str(b), ha="center", fontsize=7)
+        s = int(owner[b])
+        for o in range(bs):
+            full = s >= 0 and o < filled[b]
+            cell(ax, x0 + o, y0, seq_color(s) if s >= 0 else FREE_COLOR,
+                 alpha=1.0 if full or s < 0 else 0.25, gid=f"slot-{b}-{o}",
+                 outline=newest and s in newest_slot and newest_slot[s] == (b, o))
+    for r, (s, m) in enumerate(zip(seq_ids, lens)):        # the view: row r, positions 0..L-1
+        y = view_top - r * 1.5
+        ax.text(-0.3, y + 0.45, f"seq {s}", ha="right", va="center", fontsize=8)
+        for p in range(n * bs):
+            j, x = p // bs, 2 + p + (p // bs) * 0.5
+            if p >= L:
+                continue
+            if p < m:
+                cell(ax, x, y, seq_color(s), gid=f"gathered-{s}-{p}-{held[s][j]}",
+                     outline=newest and p == m - 1)
+            else:
+                cell(ax, x, y, FREE_COLOR, hatch="////", gid=f"masked-{s}-{p}")
+        for j, b in enumerate(held[s]):                    # arrows: block table entry j -> block b
+            bx, by = corner[b]
+            x = 2 + j * (bs + 0.5) + bs / 2
+            ax.text(x, y + 1.0, f"blk {b}", ha="center", fontsize=6.5)
+            ax.add_patch(FancyArrowPatch((bx + bs / 2, by - 0.05), (x, y + 1.35),
+                                         arrowstyle="-|>", mutation_scale=8, lw=0.7,
+                                         color=seq_color(s), alpha=0.6,
+                                         connectionstyle="arc3,rad=0.1", gid=f"gather-{s}-{j}"))
+    for j in range(n):                                     # positions under the last row
+        ax.text(2 + j * (bs + 0.5), view_top - 1.5 * len(seq_ids) + 0.9, f"pos {j * bs}",
+                fontsize=6.5)
+    ax.text(0, 1.8, f"layer {layer}: the pool, {cm.num_blocks} blocks x {bs} slots",
+            fontsize=9)
+    ax.text(0, view_top + 1.9, f"gathered view ({len(seq_ids)}, L={L}): blocks in block-table "
+            f"order, hatched = masked", fontsize=9)
+    ax.set_xlim(-2.5, width + 0.5)
+    ax.set_ylim(view_top - 1.5 * max(len(seq_ids), 1) + 1, 2.4)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    _legend(ax, seq_ids)
+    fig.tight_layout()
+    return fig
+
+
 # -- stage 1: the contiguous cache ----------------------------------------------------------------
 
 def plot_contiguous_cache(snapshots, max_seq_len: int, prompt_lens, titles=None, show: int | None = None):
@@ -189,7 +272,7 @@ def plot_contiguous_cache(snapshots, max_seq_len: int, prompt_lens, titles=None,
     import numpy as np
 
     cols = show or max_seq_len
-    fig, axes = plt.subplots(len(snapshots), 1, figsize=(10, 0.5 + 0.45 * len(prompt_lens) * len(snapshots)),
+    fig, axes = plt.subplots(len(snapshots), 1, figsize=(10, max(2.0, 0.8 + 0.5 * len(prompt_lens) * len(snapshots))),
                              squeeze=False)
     cmap = ListedColormap([FREE_COLOR, "#4c72b0", "#dd8452"])    # empty, prompt, generated
     for k, (ax, used) in enumerate(zip(axes[:, 0], snapshots)):

@@ -10,6 +10,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from minipaged import Llama, ModelArgs  # noqa: E402
 
+# The models here are tiny: a second thread gains nothing, and on a busy 2-core machine two
+# threads that wait for each other at every operation made these tests 20x slower.
+torch.set_num_threads(1)
+
 
 def tiny_args(**overrides):
     cfg = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=32,

@@ -1,0 +1,81 @@
+"""The stage-3 gather drawing shows, slot by slot, which physical block each position comes from."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from conftest import tiny_model  # noqa: E402
+from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
+
+from minipaged import viz  # noqa: E402
+from minipaged.cache_manager import CacheManager  # noqa: E402
+from minipaged.paged_attention import PagedCache  # noqa: E402
+
+BS = 4
+# seq -> tokens after one decode step
+LENGTHS = {0: 8, 1: 11, 2: 4}
+
+
+def small_pool():
+    cm = CacheManager(12, BS, 1, 2, max_seqs=3, max_blocks_per_seq=4, seed=3)
+    for s, n in LENGTHS.items():
+        cm.reserve(s, n - 1)
+    cm.grow(list(LENGTHS), 1)                 # a decode step: each wrote its token at n - 1
+    return cm
+
+
+def gids(fig, kind):
+    return {p.get_gid() for p in fig.axes[0].patches
+            if (p.get_gid() or "").startswith(kind)}
+
+
+def test_every_position_comes_from_the_block_its_table_names():
+    cm = small_pool()
+    fig = viz.plot_gather(cm, [0, 1, 2])
+    L = max(LENGTHS.values())
+    expected_cells, expected_masked = set(), set()
+    for s, n in LENGTHS.items():
+        blocks = cm.blocks_of(s)
+        assert len(blocks) == -(-n // BS)
+        expected_cells |= {f"gathered-{s}-{p}-{blocks[p // BS]}" for p in range(n)}
+        expected_masked |= {f"masked-{s}-{p}" for p in range(n, L)}
+    assert gids(fig, "gathered-") == expected_cells
+    assert gids(fig, "masked-") == expected_masked
+    assert gids(fig, "gather-") == {f"gather-{s}-{j}" for s, n in LENGTHS.items()
+                                    for j in range(-(-n // BS))}
+    plt.close(fig)
+
+
+def test_the_newest_token_is_outlined_at_block_pos_div_bs_offset_pos_mod_bs():
+    cm = small_pool()
+    fig = viz.plot_gather(cm, [0, 1, 2])
+    thick = {p.get_gid() for p in fig.axes[0].patches
+             if isinstance(p, Rectangle) and p.get_linewidth() >= 2}
+    expected = set()
+    for s, n in LENGTHS.items():
+        pos = n - 1
+        expected.add(f"slot-{cm.blocks_of(s)[pos // BS]}-{pos % BS}")
+        expected.add(f"gathered-{s}-{pos}-{cm.blocks_of(s)[pos // BS]}")
+    assert thick == expected
+    plt.close(fig)
+
+
+def test_a_paged_cache_is_drawn_per_layer():
+    model = tiny_model(n_layers=2)
+    cache = PagedCache(model.args, num_blocks=12, block_size=BS, max_seqs=3, max_seq_len=32,
+                       dtype=torch.float64)
+    for s, n in LENGTHS.items():
+        cache.prepare([s], n)
+    figs = [viz.plot_gather(cache, [0, 1, 2], layer=layer) for layer in (0, 1)]
+    drawn = [gids(f, "gathered-") for f in figs]
+    for layer, cells in enumerate(drawn):
+        m = cache.managers[layer]
+        assert cells == {f"gathered-{s}-{p}-{m.blocks_of(s)[p // BS]}"
+                         for s, n in LENGTHS.items() for p in range(n)}
+    assert drawn[0] != drawn[1]                # the two layers keep the tokens in other blocks
+    assert all(isinstance(p, FancyArrowPatch) for p in figs[0].axes[0].patches
+               if (p.get_gid() or "").startswith("gather-"))
+    for f in figs:
+        plt.close(f)
