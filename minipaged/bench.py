@@ -164,7 +164,9 @@ def main(argv=None):
                    help="KV budget, in contiguous rows of max_seq_len tokens (default 8)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: a model this small gains nothing from a second "
+                        "thread, and loses a lot when the cores are shared)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="compute dtype (default float32: a CPU without bf16 units runs bf16 slowly)")
     p.add_argument("--seed", type=int, default=0)
@@ -176,8 +178,7 @@ def main(argv=None):
     from rich.console import Console
     from .errors import MiniPagedError
     console = Console(width=None if sys.stdout.isatty() else 120)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     try:
         model = _load(args)
     except MiniPagedError as err:
