@@ -41,7 +41,8 @@ PAPER_CONTEXT = 2048          # the context of the OPT models the vLLM paper ser
 
 def sharegpt_like_trace(num_requests: int, scale: float = 4.0, vocab: int = 4096, seed: int = 0):
     """[(prompt token ids, output length)] and the context limit: stage 4's ShareGPT-like
-    lengths (geometric, the paper's means) divided by `scale`, prompts of random token ids."""
+    lengths (geometric, the paper's means) divided by `scale`, prompts of random ids < vocab
+    (the CLI passes the vocabulary without Llama 3's 256 special tokens)."""
     limit = int(PAPER_CONTEXT / scale)
     lengths = synthetic(num_requests, SHAREGPT[0] / scale, SHAREGPT[1] / scale, seed=seed,
                         max_seq_len=limit)
@@ -163,7 +164,11 @@ def main(argv=None):
                    help="KV budget, in contiguous rows of max_seq_len tokens (default 8)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: a model this small gains nothing from a second "
+                        "thread, and loses a lot when the cores are shared)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="compute dtype (default float32: a CPU without bf16 units runs bf16 slowly)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", action="store_true",
                    help="also serve the trace at budgets of 4, 8, 16 and 32 rows and draw it")
@@ -173,15 +178,14 @@ def main(argv=None):
     from rich.console import Console
     from .errors import MiniPagedError
     console = Console(width=None if sys.stdout.isatty() else 120)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     try:
         model = _load(args)
     except MiniPagedError as err:
         console.print(f"[red]{err}[/red]")
         raise SystemExit(1)
     trace, max_seq_len = sharegpt_like_trace(args.requests, args.scale,
-                                             min(model.args.vocab_size, 4096), args.seed)
+                                             model.args.vocab_size - 256, args.seed)
     per_token = kv_bytes_per_token(model.args, next(model.parameters()).dtype)
     budget = args.budget_rows * max_seq_len * per_token
     mean_in = sum(len(q) for q, _ in trace) / len(trace)
@@ -211,13 +215,14 @@ def main(argv=None):
 
 
 def _load(args):
-    from .train import embedded_model_args, N_RANKS
+    dtype = getattr(torch, args.dtype)
     if args.random_model:
-        torch.manual_seed(0)
         from .model import Llama
-        return Llama(embedded_model_args(N_RANKS + 256)).eval()
+        from .train import N_RANKS, embedded_model_args
+        torch.manual_seed(0)
+        return Llama(embedded_model_args(N_RANKS + 256)).to(dtype).eval()
     from .checkpoint import load_model
-    return load_model(args.model)
+    return load_model(args.model, dtype=dtype)
 
 
 if __name__ == "__main__":
