@@ -23,3 +23,7 @@ class RequestError(MiniPagedError):
 
 class OutOfBlocksError(MiniPagedError):
     """The KV cache has no room left; nothing was allocated by the failing call."""
+
+
+class TraceError(MiniPagedError):
+    """A request trace file (prompt and output lengths) is missing or not in a readable form."""
