@@ -61,8 +61,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # x / sqrt(mean(x²) + eps) in float32, as Meta's code, in one fused torch op
+        xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return xf.type_as(x) * self.weight
 
 
