@@ -42,13 +42,22 @@ def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=
     scale = softmax_scale if softmax_scale is not None else D ** -0.5
     gqa = Hq != k_ctx.shape[2]
     seqlens_k = seqlens_k.to(device=q.device, dtype=torch.long)
-    if bool((seqlens_k == L).all()) and (Sq == 1 or Sq == L):
-        # The fast paths: every row holds exactly L keys, so nothing is stale, and either each
-        # row has one query that sees them all (decode) or its queries are all L positions
-        # (a whole prompt: plain causal attention). No mask to build, nothing to zero.
+    if Sq == 1:
+        # Decode: row b's one query sees exactly its first seqlens_k[b] keys. Attending row by
+        # row over k_ctx[b, :seqlens_k[b]] needs no mask and never touches stale slots or the
+        # padding up to the longest row; on a CPU that loop beats one masked call over the
+        # padded batch (flash-attn's kernel does the same per row, on the GPU).
+        return torch.cat([
+            F.scaled_dot_product_attention(
+                q[b:b + 1].transpose(1, 2), k_ctx[b:b + 1, :n].transpose(1, 2),
+                v_ctx[b:b + 1, :n].transpose(1, 2), scale=scale, enable_gqa=gqa,
+            ).transpose(1, 2) if n > 0 else torch.zeros_like(q[b:b + 1])    # (1, 1, Hq, D)
+            for b, n in enumerate(seqlens_k.tolist())])                       # (B, 1, Hq, D)
+    if Sq == L and bool((seqlens_k == L).all()):
+        # Whole prompts (every row's queries are all its L keys): plain causal attention.
         return F.scaled_dot_product_attention(
             q.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), scale=scale,
-            is_causal=causal and Sq > 1, enable_gqa=gqa).transpose(1, 2)     # (B, Sq, Hq, D)
+            is_causal=causal, enable_gqa=gqa).transpose(1, 2)                # (B, Sq, Hq, D)
     key_pos = torch.arange(L, device=q.device)                      # (L,)
     valid = key_pos[None, :] < seqlens_k[:, None]                   # (B, L)
     k_ctx = torch.where(valid[:, :, None, None], k_ctx, 0)         # (torch.where: ~3x faster
