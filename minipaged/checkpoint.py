@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError
+from .gguf_checkpoint import find_gguf, read_gguf
 from .model import Llama, ModelArgs
 from .tokenizer import DEFAULT_MODEL_DIR
 
@@ -173,25 +174,31 @@ def _check_state(state: dict, model: Llama, folder: Path, config_name: str):
 
 
 def load_model(path=None, device="cpu", dtype=None) -> Llama:
-    """Load a Llama 3 checkpoint folder (Meta or Hugging Face layout) as a `Llama` in eval mode.
+    """Load a Llama 3 checkpoint folder (Meta or Hugging Face layout) or a GGUF file (or a folder
+    holding one) as a `Llama` in eval mode.
 
-    path=None loads the embedded default model; dtype=None keeps the checkpoint's dtype.
+    path=None loads the embedded default model; dtype=None keeps the checkpoint's dtype
+    (float32 for a GGUF file, whose quantized blocks have no PyTorch dtype).
     """
     folder = Path(path).expanduser() if path is not None else DEFAULT_MODEL_DIR
     if not folder.exists():
         raise CheckpointError(f"no such file or folder: {folder}")
-    if not folder.is_dir():
+    if not folder.is_dir() and folder.suffix != ".gguf":
         raise CheckpointError(f"{folder} is a file; give the folder that holds the checkpoint "
-                              "(params.json + consolidated.00.pth, or config.json + *.safetensors)")
-    if (folder / "params.json").exists() and any(folder.glob("consolidated.*.pth")):
+                              "(params.json + consolidated.00.pth, or config.json + *.safetensors)"
+                              ", or a .gguf file")
+    if folder.is_dir() and (folder / "params.json").exists() and any(folder.glob("consolidated.*.pth")):
         (args, state), config_name = _read_meta(folder), "params.json"
-    elif (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
+    elif folder.is_dir() and (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
         (args, state), config_name = _read_hf(folder), "config.json"
+    elif (gguf_file := find_gguf(folder)) is not None:   # llama.cpp's format: gguf_checkpoint.py
+        (args, state), config_name = read_gguf(gguf_file, dtype), "GGUF metadata"
     else:
         found = ", ".join(sorted(p.name for p in folder.iterdir())[:8]) or "nothing"
         raise CheckpointError(
             f"{folder} holds no checkpoint minipaged can read: expected params.json + "
-            f"consolidated.00.pth (Meta) or config.json + *.safetensors (Hugging Face); found {found}")
+            f"consolidated.00.pth (Meta), config.json + *.safetensors (Hugging Face) or a .gguf "
+            f"file; found {found}")
     with torch.device("meta"):        # shapes only, no memory: the real tensors come next
         model = Llama(args)
     _check_state(state, model, folder, config_name)

@@ -35,19 +35,33 @@ def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=
 
     Exact for any content past `seqlens_k[b]` (a reused block's stale data, even NaN): those
     slots are zeroed before the product, since a softmax weight of 0 times NaN is still NaN.
-    They are zeroed IN PLACE: k_ctx and v_ctx are scratch copies (both caches gather into fresh
-    tensors), so only each row's tail is written instead of copying every key once more.
     A query that sees no key at all gets a zero output, as in flash-attn.
     """
     B, Sq, Hq, D = q.shape
     L = k_ctx.shape[1]
     scale = softmax_scale if softmax_scale is not None else D ** -0.5
-    key_pos = torch.arange(L, device=q.device)                      # (L,)
+    gqa = Hq != k_ctx.shape[2]
     seqlens_k = seqlens_k.to(device=q.device, dtype=torch.long)
+    if Sq == 1:
+        # Decode: row b's one query sees exactly its first seqlens_k[b] keys. Attending row by
+        # row over k_ctx[b, :seqlens_k[b]] needs no mask and never touches stale slots or the
+        # padding up to the longest row; on a CPU that loop beats one masked call over the
+        # padded batch (flash-attn's kernel does the same per row, on the GPU).
+        return torch.cat([
+            F.scaled_dot_product_attention(
+                q[b:b + 1].transpose(1, 2), k_ctx[b:b + 1, :n].transpose(1, 2),
+                v_ctx[b:b + 1, :n].transpose(1, 2), scale=scale, enable_gqa=gqa,
+            ).transpose(1, 2) if n > 0 else torch.zeros_like(q[b:b + 1])    # (1, 1, Hq, D)
+            for b, n in enumerate(seqlens_k.tolist())])                       # (B, 1, Hq, D)
+    if Sq == L and bool((seqlens_k == L).all()):
+        # Whole prompts (every row's queries are all its L keys): plain causal attention.
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), scale=scale,
+            is_causal=causal, enable_gqa=gqa).transpose(1, 2)                # (B, Sq, Hq, D)
+    key_pos = torch.arange(L, device=q.device)                      # (L,)
     valid = key_pos[None, :] < seqlens_k[:, None]                   # (B, L)
-    for b, n in enumerate(seqlens_k.tolist()):   # a masked copy of all keys would cost ~25x more
-        k_ctx[b, n:] = 0
-        v_ctx[b, n:] = 0
+    k_ctx = torch.where(valid[:, :, None, None], k_ctx, 0)         # (torch.where: ~3x faster
+    v_ctx = torch.where(valid[:, :, None, None], v_ctx, 0)         #  than masked_fill on a CPU)
     mask = valid[:, None, :]                                        # (B, 1, L)
     if causal:
         last_visible = seqlens_k[:, None] - Sq + torch.arange(Sq, device=q.device)  # (B, Sq)
@@ -58,7 +72,7 @@ def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=
         v_ctx.transpose(1, 2),
         attn_mask=mask[:, None],                # (B, 1, Sq or 1, L)
         scale=scale,
-        enable_gqa=Hq != k_ctx.shape[2],
+        enable_gqa=gqa,
     ).transpose(1, 2)                           # (B, Sq, Hq, D)
     sees_nothing = ~mask.any(-1)                # (B, Sq or 1)
     return y.masked_fill(sees_nothing[:, :, None, None], 0)
@@ -96,9 +110,14 @@ class ContiguousCache:
         self.rows = rows
         self.cache_seqlens = self.seq_lens[rows].clone()
         self.seq_lens[rows] = after
+        # What every layer's `attend` needs, computed once per step rather than once per layer.
         device = self.k_cache[0].device
         self._rows_dev = rows.to(device)
         self._seqlens_dev = self.cache_seqlens.to(device)
+        self._positions = self._seqlens_dev[:, None].long() + torch.arange(
+            num_new_tokens, device=device)                                    # (B, T)
+        self._seqlens_k = self._seqlens_dev + num_new_tokens                   # (B,)
+        self._max_len = int(after.max())
 
     def free(self, seq_id: int) -> None:
         """Forget a finished sequence. Its row stays reserved: that is this cache's flaw."""
@@ -107,17 +126,12 @@ class ContiguousCache:
     # -- attention -----------------------------------------------------------------------
     def attend(self, layer: int, q, k, v):
         """Write the step's k/v (B, T, Hk, D) at each row's next positions, then attend."""
-        T = k.shape[1]
-        rows, start = self._rows_dev, self._seqlens_dev
-        positions = start[:, None].long() + torch.arange(T, device=k.device)   # (B, T)
+        rows, positions, L = self._rows_dev, self._positions, self._max_len
         self.k_cache[layer][rows[:, None], positions] = k
         self.v_cache[layer][rows[:, None], positions] = v
-        seqlens_k = start + T                                                  # (B,)
-        L = int(self.seq_lens[self.rows].max())
-        # A copy of the rows' first L slots (index_select copies each row's slots in one piece).
-        k_ctx = self.k_cache[layer][:, :L].index_select(0, rows)               # (B, L, Hk, D)
-        v_ctx = self.v_cache[layer][:, :L].index_select(0, rows)
-        return attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True)
+        k_ctx = self.k_cache[layer][rows, :L]                                  # (B, L, Hk, D)
+        v_ctx = self.v_cache[layer][rows, :L]
+        return attention_over_cache(q, k_ctx, v_ctx, self._seqlens_k, causal=True)
 
     # -- what the lesson draws ------------------------------------------------------------------
     def usage(self):

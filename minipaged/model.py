@@ -38,6 +38,7 @@ class ModelArgs:
     max_seq_len: int = 8192               # the longest sequence a cache will be asked to hold
     tie_word_embeddings: bool = False     # Llama 3.2 1B/3B reuse tok_embeddings as output
     stop_tokens: list[int] = field(default_factory=list)
+    rope_freq_factors: list[float] | None = None  # GGUF (llama.cpp's rope_freqs): divide freq i by it
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -60,8 +61,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # x / sqrt(mean(x²) + eps) in float32, as Meta's code, in one fused torch op
+        xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return xf.type_as(x) * self.weight
 
 
@@ -85,6 +86,8 @@ def rope_frequencies(args: ModelArgs):
     freqs = 1.0 / (args.rope_theta ** exps)
     if args.use_scaled_rope:
         freqs = scale_rope_frequencies(freqs, args)
+    if args.rope_freq_factors is not None:
+        freqs = freqs / torch.tensor(args.rope_freq_factors, dtype=torch.float32, device="cpu")
     return freqs
 
 

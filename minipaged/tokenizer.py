@@ -211,9 +211,20 @@ class ChatFormat:
         return ids + self.encode_header("assistant")
 
 
+def chat_format(tokenizer):
+    """The chat format of the tokenizer's checkpoint: Llama 3's headers (`ChatFormat`) unless
+    the tokenizer names another (a GGUF file's template may be ChatML)."""
+    fmt = getattr(tokenizer, "chat_format_class", ChatFormat)
+    if fmt is None:
+        raise TokenizerError("this checkpoint names no chat template minipaged knows (Llama 3's "
+                             "headers or ChatML's <|im_start|>); it is not a chat model")
+    return fmt(tokenizer)
+
+
 def load_tokenizer(path=None):
     """Load a tiktoken `tokenizer.model`: a file, a folder holding one (or its `original/`, as in
-    Hugging Face's Llama 3 repos), or None for the embedded model in assets/model."""
+    Hugging Face's Llama 3 repos), or None for the embedded model in assets/model. A GGUF file
+    (or a folder holding one and no tokenizer.model) gives the tokenizer stored in it."""
     if path is None:
         file = DEFAULT_MODEL_DIR / "tokenizer.model"
         if not file.is_file():
@@ -230,10 +241,25 @@ def load_tokenizer(path=None):
         for file in (path / "tokenizer.model", path / "original" / "tokenizer.model"):
             if file.is_file():
                 return Tokenizer(file)
+        if any(path.glob("*.gguf")):
+            return _gguf_tokenizer(path)
         found = sorted(p.name for p in path.iterdir())
         hint = (" (tokenizer.json is Hugging Face's format; their Llama 3 repos keep Meta's "
                 "tokenizer.model under original/)" if "tokenizer.json" in found else "")
         raise TokenizerError(
             f"found no tokenizer.model in {path} or {path / 'original'}; the folder holds "
             f"{', '.join(found[:8]) or 'nothing'}{' ...' if len(found) > 8 else ''}{hint}.")
+    if path.suffix == ".gguf":
+        return _gguf_tokenizer(path)
     return Tokenizer(path)
+
+
+def _gguf_tokenizer(path):
+    from .errors import CheckpointError
+    from .gguf_checkpoint import find_gguf
+    from .gguf_tokenizer import load_gguf_tokenizer
+
+    try:
+        return load_gguf_tokenizer(find_gguf(path))
+    except CheckpointError as e:
+        raise TokenizerError(str(e)) from None
