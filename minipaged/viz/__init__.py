@@ -1,0 +1,31 @@
+"""Drawings shared by the notebooks, the chat and the README: matplotlib figures, rich renderables.
+One module per stage (blocks, fragmentation, scheduling) plus training; every name is here.
+
+Stage 1 (the contiguous cache): `plot_contiguous_cache` draws each sequence's reserved row of
+slots, coloured by what each slot holds — prompt, generated token, or nothing yet.
+
+Stage 2 (the block pool): `plot_pool` draws a layer's physical blocks coloured by the sequence
+that owns them, filled as far as that sequence has written; `plot_block_tables` draws each
+sequence's logical blocks with an arrow to the physical block holding it; `rich_pool` renders
+the same picture in a terminal. Every function reads a CacheManager, never changes it.
+
+Stage 3 (paged attention): `plot_gather` draws one layer's pool slot by slot and, below it, the
+contiguous (B, L) view that attention gathers each row's scattered blocks into.
+
+Stage 4 (fragmentation): stacked bars of where KV memory goes per policy, block-size sweeps,
+concurrency under a budget, slot maps, and the policy table in rich.
+
+Stage 5 (scheduling): `plot_timeline` (a Gantt chart of requests: waiting, running, preempted,
+swapped), `plot_pool_over_time` (blocks per request, stacked, preemptions marked), both from an
+`Engine(record=True).history`; `plot_preemption_costs` (recompute vs swap); `plot_bench` and
+`plot_throughput_vs_budget` (the benchmark of `minipaged.bench`).
+"""
+
+from .blocks import (EDGE_COLOR, FREE_COLOR, plot_block_tables, plot_contiguous_cache,
+                     plot_gather, plot_pool, rich_pool, seq_color)
+from .fragmentation import (KIND_COLORS, plot_block_size_sweep, plot_concurrency,
+                            plot_slot_map, plot_waste_bars, plot_waste_over_time, plot_workload,
+                            rich_policy_table)
+from .scheduling import (BENCH_COLORS, STATE_COLORS, _runs, plot_bench, plot_pool_over_time,
+                         plot_preemption_costs, plot_throughput_vs_budget, plot_timeline)
+from .training import plot_loss_curve
