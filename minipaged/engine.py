@@ -41,6 +41,7 @@ class EngineStats:
     recomputed_tokens: int = 0        # ...of which had been computed before a recompute
     cached_tokens: int = 0            # prompt tokens found in the prefix cache, not prefilled
     peak_used_blocks: int = 0         # most blocks per layer held at once (after a step's model)
+    used_blocks_sum: int = 0          # sum over busy steps of blocks per layer held
     preemptions: int = 0
     swapped_blocks: int = 0           # blocks per layer copied out or in
     swap_bytes: int = 0               # bytes copied to or from the CPU pool, all layers
@@ -51,6 +52,10 @@ class EngineStats:
     @property
     def mean_running(self) -> float:
         return self.running_sum / max(1, self.busy_steps)
+
+    @property
+    def mean_used_blocks(self) -> float:
+        return self.used_blocks_sum / max(1, self.busy_steps)
 
 
 @dataclass
@@ -187,7 +192,10 @@ class Engine:
         if self.cache.prefix_caching:                 # name the blocks decodes filled
             for r in plan.decode:
                 self.cache.name_blocks(r.seq_id, r.prompt, r.output)
-        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.cache.num_used_blocks)
+        used = self.cache.num_used_blocks
+        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
+        if plan.decode or plan.prefill:
+            self.stats.used_blocks_sum += used
 
         if self.history is not None:
             self._record(plan)
