@@ -141,3 +141,15 @@ def test_the_pool_is_whole_again_after_everything_finishes(model):
     with torch.no_grad():
         assert [r.output for r in engine.requests] == \
             [greedy_reference(model, p, 9) for p in prompts for _ in range(2)]
+
+
+def test_a_prompt_seen_in_full_recomputes_only_its_last_block(model):
+    prompt = prompts_with_a_system_prompt(k=1, system=24)[0][:3 * BS]   # exactly 3 full blocks
+    engine = Engine(model, 40, BS, prefix_caching=True)
+    first = engine.add_request(prompt, 5, stop_tokens=[])
+    engine.run()
+    again = engine.add_request(prompt, 5, stop_tokens=[])
+    engine.run()
+    assert engine.stats.cached_tokens == 2 * BS                         # not the last block
+    assert engine.stats.prefill_tokens == 3 * BS + BS
+    assert first.output == again.output == greedy_reference(model, prompt, 5)
