@@ -48,7 +48,7 @@ class PrefixCache:
         self.block_of: dict[bytes, int] = {}         # hash -> the block that holds it
         self.hash_of: dict[int, bytes] = {}          # block -> its hash (full, named blocks only)
         self.cached_free: OrderedDict[int, None] = OrderedDict()   # oldest-freed first
-        self.hits = 0                                # blocks reused, for the benchmark
+        self.hits = 0                                # cached-free blocks brought back by a hit
 
     def __len__(self) -> int:
         """Cached-free blocks: free to take, but still holding a named block's K/V."""

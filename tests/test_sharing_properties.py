@@ -17,7 +17,7 @@ from minipaged.cache_manager import CacheManager
 from minipaged.errors import OutOfBlocksError
 from minipaged.prefix_cache import block_hashes
 
-BS, NUM_BLOCKS, MAX_SEQS, MAX_BLOCKS = 4, 12, 6, 6
+BS, NUM_BLOCKS, MAX_SEQS, MAX_BLOCKS = 4, 14, 6, 6
 
 
 class Model:
@@ -68,6 +68,7 @@ class Model:
 
 def run_program(data, prefix_caching):
     m = Model(prefix_caching)
+    seen = []                                     # prompts started so far
     for _ in range(data.draw(st.integers(5, 40), label="length")):
         live = sorted(m.tokens)
         idle = [s for s in range(MAX_SEQS) if s not in m.tokens]
@@ -76,6 +77,10 @@ def run_program(data, prefix_caching):
             if op == "start" and idle:
                 s = data.draw(st.sampled_from(idle))
                 prompt = data.draw(st.lists(st.integers(0, 1), min_size=1, max_size=14))
+                if seen and data.draw(st.booleans()):      # often: a prefix seen before
+                    old = data.draw(st.sampled_from(seen))
+                    prompt = (old[:data.draw(st.integers(len(old) // 2, len(old)))] + prompt)[:20]
+                seen.append(prompt)
                 usable = (len(prompt) - 1) // BS           # never the block of the last token
                 hit = m.cm.match_prefix(block_hashes(prompt[:usable * BS], BS))
                 for j, b in enumerate(hit):                # the chain finds only true matches
