@@ -170,7 +170,8 @@ def main(argv=None):
                f" mean in {mean_in:.0f}, out {mean_out:.0f}), temperature 1; block "
                f"{args.block_size}; KV blocks per layer held, mean over busy steps. Paper: Kwon "
                f"et al. 2023 (vLLM). TTFT from adding a round's requests to each one's first "
-               f"token. Beam search (paper: 37-66%) is not implemented. {torch.get_num_threads()} torch thread(s), load average "
+               f"token. Beam search (paper: 37-66%) is not implemented. "
+               f"{torch.get_num_threads()} torch thread(s), load average "
                f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.")
     console.print(table(par, prefix, caption))
 

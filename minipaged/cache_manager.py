@@ -372,8 +372,8 @@ class CacheManager:
         if total > self.num_free_blocks - reserved:
             raise OutOfBlocksError(
                 f"out of KV blocks: this step needs {total} new block(s) but only "
-                f"{self.num_free_blocks - reserved} of {self.num_blocks} are free; finish or preempt a "
-                f"sequence, or size the pool from a larger KV budget. Nothing was allocated.")
+                f"{self.num_free_blocks - reserved} of {self.num_blocks} are free; finish or "
+                f"preempt a sequence, or size the pool from a larger KV budget. Nothing was allocated.")
 
 
 def make_cache_managers(args, budget_bytes: int, block_size: int, max_seqs: int,
