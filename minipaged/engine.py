@@ -137,8 +137,8 @@ class Engine:
         self.scheduler.check(req)
         self.requests.append(req)
         for g in gens[1:]:                         # its siblings: forked after its prefill
-            sib = Request(len(self.requests), req.prompt, req.max_new_tokens, temperature, top_p,
-                          g, req.stop_tokens, req.arrival_step)
+            sib = Request(len(self.requests), list(req.prompt), req.max_new_tokens, temperature,
+                          top_p, g, req.stop_tokens, req.arrival_step)
             self.requests.append(sib)
             req.siblings.append(sib)
         if req.max_new_tokens == 0:                # nothing to do
