@@ -11,6 +11,11 @@ prompt, plus what it had generated before a recompute). Then it samples, appends
 finished requests back to the scheduler, which frees their blocks at once — so the next step
 can admit someone new in their place. That is continuous (iteration-level) batching: the batch
 changes every step, instead of waiting for its slowest member.
+
+Stage 6: `add_request(..., n=K)` asks for K samples of one prompt: one prefill, then K-1 forks
+sharing its blocks, each sample drawing its first token from the same logits with its own
+generator. With `prefix_caching=True`, a prefill starts from the cached blocks of the longest
+prefix seen before and runs the model only over the rest (`EngineStats.cached_tokens`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ class EngineStats:
     generated_tokens: int = 0
     prefill_tokens: int = 0           # tokens run through prefill, recomputed ones included
     recomputed_tokens: int = 0        # ...of which had been computed before a recompute
+    cached_tokens: int = 0            # prompt tokens found in the prefix cache, not prefilled
+    peak_used_blocks: int = 0         # most blocks per layer held at once (after a step's model)
+    used_blocks_sum: int = 0          # sum over busy steps of blocks per layer held
     preemptions: int = 0
     swapped_blocks: int = 0           # blocks per layer copied out or in
     swap_bytes: int = 0               # bytes copied to or from the CPU pool, all layers
@@ -44,6 +52,10 @@ class EngineStats:
     @property
     def mean_running(self) -> float:
         return self.running_sum / max(1, self.busy_steps)
+
+    @property
+    def mean_used_blocks(self) -> float:
+        return self.used_blocks_sum / max(1, self.busy_steps)
 
 
 @dataclass
@@ -64,7 +76,7 @@ class Engine:
                  max_num_seqs: int = 256, max_seq_len: int | None = None,
                  num_cpu_blocks: int | None = None, watermark: float = 0.01,
                  static_batches: bool = False, seed: int = 0, backend: str = "auto",
-                 record: bool = False):
+                 record: bool = False, prefix_caching: bool = False):
         from .paged_attention import PagedCache
 
         self.model = model
@@ -82,7 +94,7 @@ class Engine:
         self.max_seq_len = max_seq_len or a.max_seq_len
         self.cache = PagedCache(a, num_blocks, block_size, max_num_seqs, self.max_seq_len,
                                 device=p.device, dtype=p.dtype, seed=seed, backend=backend,
-                                num_cpu_blocks=num_cpu_blocks)
+                                num_cpu_blocks=num_cpu_blocks, prefix_caching=prefix_caching)
         self.scheduler = Scheduler(self.cache, preemption, watermark, max_num_seqs,
                                    static_batches)
         self.device = p.device
@@ -98,23 +110,41 @@ class Engine:
     # -- requests in -----------------------------------------------------------------------------
     def add_request(self, prompt, max_new_tokens: int, temperature: float = 0.0,
                     top_p: float = 1.0, generator=None, stop_tokens=None,
-                    arrival_step: int = 0) -> Request:
+                    arrival_step: int = 0, n: int = 1, generators=None) -> Request:
         """Queue a prompt (token ids). It joins `waiting` at `arrival_step` (0: now). A request
-        the pool could never hold is refused here, with a RequestError."""
+        the pool could never hold is refused here, with a RequestError.
+
+        n > 1: K samples of the prompt sharing its blocks, the K requests added one after the
+        other (returned: the first); `generators` gives each its own stream (else `generator`
+        for the first and none for the rest, which only makes sense greedy)."""
+        if not isinstance(n, int) or n < 1 or (generators is not None and len(generators) != n):
+            raise RequestError(f"n must be a positive integer with one generator per sample, "
+                               f"not n={n!r}")
+        gens = list(generators) if generators is not None else [generator] + [None] * (n - 1)
         stop = self.model.args.stop_tokens if stop_tokens is None else stop_tokens
         req = Request(len(self.requests), list(prompt), int(max_new_tokens), temperature, top_p,
-                      generator, frozenset(stop), max(int(arrival_step), self.step_count))
+                      gens[0], frozenset(stop), max(int(arrival_step), self.step_count))
         if not req.prompt or req.max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
             raise RequestError(f"request {req.req_id}: need a non-empty prompt, max_new_tokens "
                                f">= 0, temperature >= 0 and 0 < top_p <= 1")
+        if n > self.scheduler.max_num_seqs:
+            raise RequestError(f"n={n} samples need {n} sequences at once, but the engine runs "
+                               f"at most {self.scheduler.max_num_seqs}; raise max_num_seqs")
         if len(req.prompt) + req.max_new_tokens > self.max_seq_len:
             raise RequestError(f"request {req.req_id} needs {len(req.prompt) + req.max_new_tokens}"
                                f" positions but the cache holds {self.max_seq_len} per sequence; "
                                f"ask for fewer tokens or build the engine with a larger max_seq_len")
         self.scheduler.check(req)
         self.requests.append(req)
+        for g in gens[1:]:                         # its siblings: forked after its prefill
+            sib = Request(len(self.requests), list(req.prompt), req.max_new_tokens, temperature,
+                          top_p, g, req.stop_tokens, req.arrival_step)
+            self.requests.append(sib)
+            req.siblings.append(sib)
         if req.max_new_tokens == 0:                # nothing to do
-            req.status, req.finish_step = "finished", self.step_count
+            for r in [req] + req.siblings:
+                r.status, r.finish_step = "finished", self.step_count
+            req.siblings = []
         else:
             self.pending.append(req)
         return req
@@ -146,12 +176,26 @@ class Engine:
             sampled += [(r, t, "decode") for r, t in zip(plan.decode, new)]
         for r in plan.prefill:
             ids = r.prompt + r.output                  # after a recompute: everything so far
-            self.cache.prepare([r.seq_id], len(ids))
-            logits = self.model(torch.tensor([ids], device=self.device), cache=self.cache,
-                                last_only=True)[:, -1]                           # (1, V)
-            sampled.append((r, self._sample([r], logits)[0], "prefill"))
-            self.stats.prefill_tokens += len(ids)
+            skipped = self.cache.start(r.seq_id, ids)  # a prefix-cache hit skips its blocks
+            logits = self.model(torch.tensor([ids[skipped:]], device=self.device),
+                                cache=self.cache, last_only=True)[:, -1]         # (1, V)
+            self.cache.name_blocks(r.seq_id, ids)    # at once: the next prefill may hit
+            group = [r] + r.siblings                   # parallel samples: fork, then sample
+            for sib in r.siblings:
+                self.cache.fork(r.seq_id, sib.seq_id)
+            r.siblings = []                            # forked once; a recompute is alone
+            sampled += [(g, t, "prefill") for g, t in
+                        zip(group, self._sample(group, logits.expand(len(group), -1)))]
+            self.stats.prefill_tokens += len(ids) - skipped
+            self.stats.cached_tokens += skipped
             self.stats.recomputed_tokens += len(ids) - 1 if r.output else 0
+        if self.cache.prefix_caching:                 # name the blocks decodes filled
+            for r in plan.decode:
+                self.cache.name_blocks(r.seq_id, r.prompt, r.output)
+        used = self.cache.num_used_blocks
+        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
+        if plan.decode or plan.prefill:
+            self.stats.used_blocks_sum += used
 
         if self.history is not None:
             self._record(plan)

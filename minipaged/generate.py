@@ -30,7 +30,11 @@ def sample(logits, temperature: float, top_p: float, generator=None) -> int:
 
 def row_generator(seed: int, index: int) -> torch.Generator:
     """Each prompt samples from its own seeded stream, so its tokens do not depend on which
-    other prompts share its batch (or, in stage 5, on when it was scheduled)."""
+    other prompts share its batch (or, in stage 5, on when it was scheduled).
+
+    With n samples per prompt (stage 6), sample j of prompt i draws from stream i * n + j: the
+    same stream it would get if each prompt were listed n times in a row with n=1. So n=1 keeps
+    stage 1's streams, and sharing blocks can never change what a sample draws."""
     return torch.Generator().manual_seed(seed * 1_000_003 + index)
 
 
@@ -98,7 +102,7 @@ def make_cache(kind: str, model, prompts, max_new_tokens, max_seq_len: int,
 @torch.inference_mode()
 def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: float = 0.0,
              top_p: float = 1.0, stop_tokens=None, seed: int = 0, max_seq_len: int | None = None,
-             callback=None, **cache_options) -> list[list[int]]:
+             callback=None, n: int = 1, prefix_caching: bool = True, **cache_options):
     """Continue each prompt (a list of token ids); return only the new tokens, in prompt order.
 
     max_new_tokens: one int, or one per prompt. cache: "contiguous", "paged" (options:
@@ -108,14 +112,29 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
     stop_tokens: None uses the model's (`model.args.stop_tokens`), [] never stops early; a stop
     token ends its sequence and is not returned. callback(event, seq_id, token, cache) is called
     after every prefill and decode token — the notebooks use it to draw the cache as it fills.
+
+    Stage 6: n=K returns K samples per prompt (each entry a list of K token lists; n=1 keeps
+    the flat shape). Sample j of prompt i uses `row_generator(seed, i * K + j)`. On the paged
+    cache the K samples share the prompt's blocks (copy-on-write), and `prefix_caching` reuses
+    the blocks of prompts' common full-block prefixes instead of prefilling them again. The
+    tokens are the same either way; the contiguous cache simply runs each prompt K times.
     """
+    if not isinstance(n, int) or n < 1:
+        raise RequestError(f"n (samples per prompt) must be a positive integer, not {n!r}")
     max_seq_len = max_seq_len or getattr(cache, "max_seq_len", None) or model.args.max_seq_len
     limits = check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_len)
     stop = set(model.args.stop_tokens if stop_tokens is None else stop_tokens)
-    gens = [row_generator(seed, i) if temperature > 0 else None for i in range(len(prompts))]
+    gens = [row_generator(seed, i) if temperature > 0 else None
+            for i in range(len(prompts) * n)]
     if cache == "paged":
-        return _generate_with_engine(model, prompts, limits, temperature, top_p, stop, gens,
-                                     max_seq_len, callback, **cache_options)
+        out = _generate_with_engine(model, prompts, limits, temperature, top_p, stop, gens,
+                                    max_seq_len, callback, n, prefix_caching, **cache_options)
+        return out if n == 1 else [out[i * n:(i + 1) * n] for i in range(len(prompts))]
+    if n > 1:                               # no blocks to share: run each prompt n times
+        out = generate(model, [p for p in prompts for _ in range(n)],
+                       [m for m in limits for _ in range(n)], cache, temperature, top_p,
+                       stop_tokens, seed, max_seq_len, callback, **cache_options)
+        return [out[i * n:(i + 1) * n] for i in range(len(prompts))]
     if isinstance(cache, str):
         cache = make_cache(cache, model, prompts, limits, max_seq_len, **cache_options)
     device = next(model.parameters()).device
@@ -159,17 +178,20 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
 
 
 def _generate_with_engine(model, prompts, limits, temperature, top_p, stop, gens, max_seq_len,
-                          callback, block_size: int = 16, num_blocks: int | None = None,
-                          kv_budget: int | None = None, preemption: str = "recompute",
-                          **engine_options):
-    """cache="paged": every prompt becomes a request of stage 5's engine, all arriving at once."""
+                          callback, n=1, prefix_caching=True, block_size: int = 16,
+                          num_blocks: int | None = None, kv_budget: int | None = None,
+                          preemption: str = "recompute", **engine_options):
+    """cache="paged": every prompt becomes a request of stage 5's engine, all arriving at once
+    (with n > 1, a group of n samples that share its blocks)."""
     from .engine import Engine
 
     if num_blocks is None and kv_budget is None:    # room for everything: nobody is preempted
-        num_blocks = sum(-(-(len(p) + m) // block_size) for p, m in zip(prompts, limits))
+        num_blocks = n * sum(-(-(len(p) + m) // block_size) for p, m in zip(prompts, limits))
     engine = Engine(model, num_blocks, block_size, preemption, kv_budget=kv_budget,
-                    max_num_seqs=len(prompts), max_seq_len=max_seq_len, **engine_options)
+                    max_num_seqs=len(prompts) * n, max_seq_len=max_seq_len,
+                    prefix_caching=prefix_caching, **engine_options)
     engine.callback = callback
-    for p, m, g in zip(prompts, limits, gens):
-        engine.add_request(p, m, temperature, top_p, generator=g, stop_tokens=stop)
+    for i, (p, m) in enumerate(zip(prompts, limits)):
+        engine.add_request(p, m, temperature, top_p, stop_tokens=stop, n=n,
+                           generators=gens[i * n:(i + 1) * n])
     return [r.output for r in engine.run()]

@@ -239,19 +239,25 @@ class PagedCache:
     `prepare` takes blocks as sequences grow (all layers or none), `attend` calls
     `flash_attn_with_kvcache` on the layer's pool through its block table, `free` returns
     every block of a finished sequence the moment it stops, while the others continue.
+
+    Stage 6: `fork` shares a sequence's blocks with a new one (copy-on-write happens inside the
+    managers' `grow`); with `prefix_caching`, `start` begins a sequence on the cached blocks of
+    its prompt's longest known prefix, and `name_blocks` names blocks as they fill.
     """
 
     def __init__(self, args, num_blocks: int, block_size: int, max_seqs: int, max_seq_len: int,
                  device="cpu", dtype=torch.float32, seed: int = 0, backend: str = "auto",
-                 num_cpu_blocks: int = 0):
+                 num_cpu_blocks: int = 0, prefix_caching: bool = False):
         from .cache_manager import CacheManager
 
         self.block_size, self.max_seq_len, self.backend = block_size, max_seq_len, backend
-        self.num_blocks = num_blocks
+        self.num_blocks, self.prefix_caching = num_blocks, prefix_caching
+        self.hashes: dict[int, list[bytes]] = {}      # seq id -> its full blocks' chained hashes
         max_blocks = -(-max_seq_len // block_size)
         self.managers = [CacheManager(num_blocks, block_size, args.n_kv_heads, args.head_dim,
                                       max_seqs, max_blocks, device=device, dtype=dtype,
-                                      seed=seed + layer) for layer in range(args.n_layers)]
+                                      seed=seed + layer, prefix_caching=prefix_caching)
+                         for layer in range(args.n_layers)]
         # Stage 5's swap space: per layer, a pool of `num_cpu_blocks` blocks in CPU memory.
         self.cpu_managers = [CacheManager(num_cpu_blocks, block_size, args.n_kv_heads,
                                           args.head_dim, max_seqs, max_blocks, device="cpu",
@@ -281,8 +287,8 @@ class PagedCache:
                                f"max_seq_len={self.max_seq_len}; end it sooner or build a "
                                f"larger cache. Nothing was allocated.")
         bs = self.block_size
-        needed = sum(-(-num_new_tokens // bs) for _ in new) + sum(
-            max(0, -(-(int(lens[s]) + num_new_tokens) // bs) - int(held[s])) for s in old)
+        needed = sum(-(-num_new_tokens // bs) for _ in new) + \
+            (first.blocks_needed(old, num_new_tokens) if old else 0)   # copies-on-write included
         if needed > first.num_free_blocks:
             raise OutOfBlocksError(
                 f"out of KV blocks: this step needs {needed} new block(s) per layer but only "
@@ -304,9 +310,76 @@ class PagedCache:
                                        backend=self.backend)
 
     def free(self, seq_id: int) -> None:
-        """A finished sequence returns every block, in every layer, at once."""
+        """A finished sequence returns every block, in every layer, at once (shared blocks
+        only lose a reference)."""
         for m in self.managers:
             m.free(seq_id)
+        self.hashes.pop(int(seq_id), None)
+
+    # -- sharing (stage 6) ------------------------------------------------------------------------
+    def fork(self, parent: int, child: int) -> None:
+        """`child` shares every block of `parent`, in every layer; nothing is copied yet."""
+        for m in self.managers:
+            m.fork(parent, child)
+        self.hashes[int(child)] = list(self.hashes.get(int(parent), []))
+
+    def start(self, seq_id: int, tokens) -> int:
+        """Begin a sequence whose prompt is `tokens`, reusing the cached blocks of its longest
+        known prefix, and prepare the forward over the rest. Returns the tokens skipped: run
+        the model on tokens[skipped:]. A hit never covers the block of the last token, whose
+        logits the caller needs (a prompt seen in full still recomputes its last block)."""
+        from .prefix_cache import block_hashes
+
+        s, n, bs = int(seq_id), len(tokens), self.block_size
+        hits = []
+        if self.prefix_caching:
+            hashes = block_hashes(tokens[:(n - 1) // bs * bs], bs)
+            per_layer = [m.match_prefix(hashes) for m in self.managers]
+            hits = per_layer[0][:min(len(h) for h in per_layer)]
+        if not hits:
+            self.prepare([s], n)
+            return 0
+        first = self.managers[0]
+        need = -(-n // bs) - len(hits)
+        reviving = sum(first.refs[b] == 0 for b in hits)
+        if n > self.max_seq_len or need > first.num_free_blocks - reviving:
+            raise OutOfBlocksError(f"sequence {s} needs {need} new blocks per layer beyond its "
+                                   f"{len(hits)} cached ones, and {n} <= {self.max_seq_len} "
+                                   f"tokens; nothing was allocated")
+        for m, layer_hits in zip(self.managers, per_layer):
+            m.reserve(s, n, prefix_blocks=layer_hits[:len(hits)])
+        skipped = len(hits) * bs
+        self.cache_seqlens = torch.tensor([skipped], dtype=torch.int32)      # (1,)
+        if first.device.type != "cpu":
+            self.cache_seqlens = self.cache_seqlens.to(first.device)
+        self.block_tables = [m.block_table_for([s]) for m in self.managers]
+        return skipped
+
+    def name_blocks(self, seq_id: int, prompt, output=()) -> None:
+        """The cache now holds prompt + output for this sequence: name its newly full blocks,
+        so later prompts can find them. Cheap when no block has filled since the last call."""
+        if not self.prefix_caching:
+            return
+        from .prefix_cache import block_hashes
+
+        s, bs = int(seq_id), self.block_size
+        have = self.hashes.setdefault(s, [])
+        if (len(prompt) + len(output)) // bs <= len(have):
+            return
+        new = block_hashes(list(prompt) + list(output), bs, have[-1] if have else None, len(have))
+        for j, h in enumerate(new, start=len(have)):
+            for m in self.managers:
+                m.name_block(s, j, h)
+        have += new
+
+    def blocks_to_grow(self, seq_id: int, num_new_tokens: int = 1) -> int:
+        """Blocks per layer one sequence's next `num_new_tokens` take, a copy-on-write included."""
+        first = self.managers[0]
+        return first.blocks_needed([seq_id], num_new_tokens)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.managers[0].num_used_blocks
 
     # -- preemption by swap (stage 5) -------------------------------------------------------------
     @property

@@ -15,6 +15,11 @@ generated appended to its prompt, to be prefilled again) or by swap (its blocks 
 the CPU pool and freed). Only in a step with no preemption does it then swap requests back in
 and admit waiting ones, as long as their blocks fit with a small watermark to spare.
 
+Stage 6: a request with parallel samples (`n=K`) brings K-1 siblings along. They wait with it
+and are admitted with it; after its prefill the engine forks them from its blocks, so the K
+samples share the prompt's blocks and pay only for what they write (copy-on-write). From then
+on each is an ordinary running request: preempting one frees only its own references.
+
 The scheduler never runs the model: it moves requests between queues and blocks between
 pools, and returns which requests the engine prefills and which it decodes.
 """
@@ -46,6 +51,7 @@ class Request:
     seq_id: int | None = None             # its row in the cache while it holds blocks
     num_preemptions: int = 0
     finish_step: int | None = None
+    siblings: list = field(default_factory=list)   # parallel samples to fork after its prefill
 
     @property
     def num_tokens(self) -> int:
@@ -114,11 +120,14 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         out = ScheduledStep()
         committed = 0                 # free blocks promised to this step's requests already
+        shared = self.cache.managers[0].refs.max(initial=0) > 1   # forks: copies-on-write?
         # 1. Every running request gets a slot for one more token, oldest first; when the pool is
         #    dry, the newest running request gives its blocks up (possibly the one asking).
         while len(out.decode) < len(self.running):
             req = self.running[len(out.decode)]
             need = self.blocks_for(req.num_tokens) - self.blocks_for(req.num_tokens - 1)  # 0 or 1
+            if shared:                # a shared partial block costs a copy (counted per writer)
+                need = self.cache.blocks_to_grow(req.seq_id)
             while need > self.cache.num_free_blocks - committed and req.status == "running":
                 self._preempt(self.running[-1], out)
             if req.status != "running":
@@ -146,14 +155,17 @@ class Scheduler:
         # 3. Then new (or recomputed) requests, in order, while their prompts fit.
         if self.swapped or (self.static_batches and self.running):
             return out
-        while self.waiting and self.free_rows and len(self.running) < self.max_num_seqs:
+        while self.waiting:
             req = self.waiting[0]
+            rows = 1 + len(req.siblings)                       # a group is admitted whole
             need = self.blocks_for(req.num_tokens)             # prompt + any earlier output
-            if not self._fits(need, committed):
+            if rows > min(len(self.free_rows), self.max_num_seqs - len(self.running)) or \
+                    not self._fits(need, committed):
                 break                 # first come, first served: nobody overtakes it
             self.waiting.popleft()
-            req.seq_id, req.status = self.free_rows.pop(), "running"
-            self.running.append(req)
+            for r in [req] + req.siblings:                     # siblings hold no blocks yet
+                r.seq_id, r.status = self.free_rows.pop(), "running"
+                self.running.append(r)
             out.prefill.append(req)
             committed += need
         return out

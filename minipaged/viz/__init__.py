@@ -19,6 +19,11 @@ Stage 5 (scheduling): `plot_timeline` (a Gantt chart of requests: waiting, runni
 swapped), `plot_pool_over_time` (blocks per request, stacked, preemptions marked), both from an
 `Engine(record=True).history`; `plot_preemption_costs` (recompute vs swap); `plot_bench` and
 `plot_throughput_vs_budget` (the benchmark of `minipaged.bench`).
+
+Stage 6 (sharing): `plot_shared_blocks` (tables pointing at shared blocks, counts written in
+the pool), `plot_copy_on_write` (before and after a write into a shared block),
+`plot_hash_chain` (a prompt's blocks and their chained hashes), `plot_sharing_savings`; all
+from `sharing_snapshot(cache_manager)`.
 """
 
 from .blocks import (EDGE_COLOR, FREE_COLOR, plot_block_tables, plot_contiguous_cache,
@@ -28,4 +33,6 @@ from .fragmentation import (KIND_COLORS, plot_block_size_sweep, plot_concurrency
                             rich_policy_table)
 from .scheduling import (BENCH_COLORS, STATE_COLORS, _runs, plot_bench, plot_pool_over_time,
                          plot_preemption_costs, plot_throughput_vs_budget, plot_timeline)
+from .sharing import (CACHED_COLOR, SHARED_COLOR, plot_copy_on_write, plot_hash_chain,
+                      plot_shared_blocks, plot_sharing_savings, sharing_snapshot)
 from .training import plot_loss_curve
