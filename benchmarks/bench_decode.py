@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minipaged import Llama, ModelArgs  # noqa: E402
 from minipaged import kv_cache, paged_attention  # noqa: E402
 from minipaged.kv_cache import ContiguousCache  # noqa: E402
-from minipaged.paged_attention import PagedCache  # noqa: E402
+from minipaged.paged_cache import PagedCache  # noqa: E402
 
 PARTS = ("prepare", "write+gather", "attention", "rest")   # the columns, in order
 

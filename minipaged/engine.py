@@ -77,7 +77,7 @@ class Engine:
                  num_cpu_blocks: int | None = None, watermark: float = 0.01,
                  static_batches: bool = False, seed: int = 0, backend: str = "auto",
                  record: bool = False, prefix_caching: bool = False):
-        from .paged_attention import PagedCache
+        from .paged_cache import PagedCache
 
         self.model = model
         a, p = model.args, next(model.parameters())

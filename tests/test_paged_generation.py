@@ -11,7 +11,7 @@ import torch
 from conftest import greedy_reference, tiny_model
 
 from minipaged import OutOfBlocksError, RequestError, generate
-from minipaged.paged_attention import PagedCache
+from minipaged.paged_cache import PagedCache
 
 
 def mixed_prompts(block_size, seed=0):

@@ -11,7 +11,7 @@ from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
 from minipaged import viz  # noqa: E402
 from minipaged.cache_manager import CacheManager  # noqa: E402
-from minipaged.paged_attention import PagedCache  # noqa: E402
+from minipaged.paged_cache import PagedCache  # noqa: E402
 
 BS = 4
 # seq -> tokens after one decode step
