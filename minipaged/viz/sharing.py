@@ -143,28 +143,27 @@ def plot_sharing_savings(ns, blocks_off, blocks_on, prefill_off=None, prefill_on
     import numpy as np
     panels = 2 if prefill_off is not None else 1
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.6), squeeze=False)
-    ax = axes[0, 0]
-    x = np.arange(len(ns))
-    ax.bar(x - 0.2, blocks_off, 0.4, label="independent samples", color=FREE_COLOR,
-           edgecolor=EDGE_COLOR)
-    ax.bar(x + 0.2, blocks_on, 0.4, label="shared prompt blocks", color=SHARED_COLOR)
-    for i, (off, on) in enumerate(zip(blocks_off, blocks_on)):
-        ax.text(i, max(off, on) * 1.02, f"−{1 - on / off:.0%}", ha="center", fontsize=9)
-    ax.set_xticks(x, [f"n={n}" for n in ns])
-    ax.set_ylabel("KV blocks per layer (mean)")
-    ax.set_title(f"parallel sampling (paper: {paper[0]:.0%}–{paper[1]:.0%} saved)", fontsize=10)
-    ax.legend(fontsize=8, frameon=False)
+    _off_on_bars(axes[0, 0], [f"n={n}" for n in ns], blocks_off, blocks_on,
+                 ("independent samples", "shared prompt blocks"), SHARED_COLOR,
+                 "KV blocks per layer (mean)",
+                 f"parallel sampling (paper: {paper[0]:.0%}–{paper[1]:.0%} saved)")
     if panels == 2:
-        ax = axes[0, 1]
-        x = np.arange(len(prefill_off))
-        ax.bar(x - 0.2, prefill_off, 0.4, label="no prefix caching", color=FREE_COLOR,
-               edgecolor=EDGE_COLOR)
-        ax.bar(x + 0.2, prefill_on, 0.4, label="prefix caching", color=CACHED_COLOR)
-        for i, (off, on) in enumerate(zip(prefill_off, prefill_on)):
-            ax.text(i, max(off, on) * 1.02, f"−{1 - on / off:.0%}", ha="center", fontsize=9)
-        ax.set_xticks(x, labels or [str(i) for i in x])
-        ax.set_ylabel("prefill tokens run")
-        ax.set_title("prefix caching", fontsize=10)
-        ax.legend(fontsize=8, frameon=False)
+        _off_on_bars(axes[0, 1], labels or [str(i) for i in range(len(prefill_off))],
+                     prefill_off, prefill_on, ("no prefix caching", "prefix caching"),
+                     CACHED_COLOR, "prefill tokens run", "prefix caching")
     fig.tight_layout()
     return fig
+
+
+def _off_on_bars(ax, ticks, off_values, on_values, names, on_color, ylabel, title):
+    """Pairs of bars, without and with sharing, each pair labelled with the saving."""
+    import numpy as np
+    x = np.arange(len(ticks))
+    ax.bar(x - 0.2, off_values, 0.4, label=names[0], color=FREE_COLOR, edgecolor=EDGE_COLOR)
+    ax.bar(x + 0.2, on_values, 0.4, label=names[1], color=on_color)
+    for i, (off, on) in enumerate(zip(off_values, on_values)):
+        ax.text(i, max(off, on) * 1.02, f"−{1 - on / off:.0%}", ha="center", fontsize=9)
+    ax.set_xticks(x, ticks)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, frameon=False)
