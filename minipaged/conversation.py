@@ -50,6 +50,9 @@ class Conversation:
 
     def __init__(self, model, tokenizer, cache, seq_id: int = 0, max_new_tokens: int = 200,
                  temperature: float = 0.0, top_p: float = 0.9, seed: int = 0, system=None):
+        if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
+            raise RequestError(f"need temperature >= 0, 0 < top_p <= 1 and max_new_tokens >= 1; "
+                               f"got {temperature}, {top_p}, {max_new_tokens}")
         self.model, self.tokenizer, self.cache, self.seq_id = model, tokenizer, cache, seq_id
         self.format = chat_format(tokenizer)
         self.prefix, self.opening, self.closing = format_pieces(self.format, system)
