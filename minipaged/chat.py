@@ -89,11 +89,21 @@ def make_chat_cache(model, kind="paged", block_size=16, kv_budget=None, max_seqs
                       dtype=p.dtype)
 
 
+def check_args(args):
+    """Refuse bad numbers before the (slow) model load."""
+    if args.max_new_tokens < 1:
+        raise MiniPagedError("--max-new-tokens must be at least 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise MiniPagedError(f"need --temperature >= 0 and 0 < --top-p <= 1 (top_p); got "
+                             f"{args.temperature} and {args.top_p}")
+    if args.block_size < 1 or (args.demo is not None and args.demo < 1):
+        raise MiniPagedError("--block-size and --demo must be positive numbers")
+
+
 def load(args):
     """The model, its tokenizer, and a conversation in the cache the arguments ask for."""
     from .conversation import Conversation
-    if args.max_new_tokens < 1:
-        raise MiniPagedError("--max-new-tokens must be at least 1")
+    check_args(args)
     path = model_path(args.model)
     model = load_model(path, dtype=getattr(torch, args.dtype))
     tokenizer = load_tokenizer(path)
@@ -204,6 +214,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     console, errors = Console(), Console(stderr=True)
     try:
+        check_args(args)
         if args.demo is not None:
             from .chat_demo import run_demo
             return run_demo(args, console)

@@ -1,6 +1,7 @@
 """`python -m minipaged.chat` as a user runs it: one-shot, piped, and with a bad path."""
 
 import re
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,8 +10,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_chat(*args, stdin=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1")      # one thread, as in-process tests (conftest)
     return subprocess.run([sys.executable, "-m", "minipaged.chat", *args], cwd=ROOT, input=stdin,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_prompt_mode_answers_and_exits():
@@ -43,8 +45,8 @@ def test_bad_numbers_are_refused_clearly():
 
 def test_contiguous_cache_gives_the_same_replies():
     lines = "what is a block table?\nwhat is paged attention?\n"
-    paged = run_chat("--max-new-tokens", "30", "--block-size", "8", stdin=lines)
-    contiguous = run_chat("--max-new-tokens", "30", "--cache", "contiguous", stdin=lines)
+    paged = run_chat("--max-new-tokens", "16", "--block-size", "8", stdin=lines)
+    contiguous = run_chat("--max-new-tokens", "16", "--cache", "contiguous", stdin=lines)
     assert paged.returncode == contiguous.returncode == 0, paged.stderr + contiguous.stderr
     assert paged.stdout == contiguous.stdout and len(paged.stdout.splitlines()) == 2
 

@@ -121,3 +121,21 @@ def test_smollm2_conversation_keeps_its_blocks_exactly():
     assert history == chat_format(tok).encode_dialog_prompt(conv.messages[:3])
     assert second["prefill_tokens"] < len(history) / 2
     assert second["tokens"] == contiguous_reply(model, tok, history, 8)
+
+
+def test_stats_count_the_conversations_memory(embedded):
+    from minipaged.chat import stats_rows
+    model, tok = embedded
+    a = model.args
+    conv = Conversation(model, tok, make_chat_cache(model, "paged", 16), max_new_tokens=20)
+    conv.reply(QUESTIONS[0])
+    rows = dict(stats_rows(conv))
+    slot = 2 * a.n_layers * a.n_kv_heads * a.head_dim * 4          # K and V, fp32, all layers
+    n = int(conv.cache.managers[0].seq_lens[0])
+    held = -(-n // 16)
+    assert rows["token states"] == f"{n} slots, {n * slot:,} B"
+    assert rows["internal fragmentation (empty tail of the last block)"].startswith(
+        f"{held * 16 - n} slots")
+    assert rows["blocks held / free / in the pool"].startswith(f"{held} / {128 - held} / 128")
+    assert rows["contiguous cache would reserve"].startswith(
+        f"{a.max_seq_len} slots, {a.max_seq_len * slot:,} B")

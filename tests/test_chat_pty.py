@@ -16,7 +16,8 @@ class Chat:
     """`python -m minipaged.chat` in a pty, 120 columns, no colours (TERM=dumb)."""
 
     def __init__(self, *args):
-        env = dict(os.environ, TERM="dumb", COLUMNS="120", LINES="60", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, TERM="dumb", COLUMNS="120", LINES="60", PYTHONUNBUFFERED="1",
+                   OMP_NUM_THREADS="1")
         self.p = pexpect.spawn(sys.executable, ["-m", "minipaged.chat", *args], cwd=ROOT,
                                env=env, encoding="utf-8", timeout=180, dimensions=(60, 120))
         self.p.expect("you> ")

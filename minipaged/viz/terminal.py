@@ -59,7 +59,7 @@ def block_table(cm, seq_id: int, owners=None):
     return out
 
 
-def layers_table(cache, seq_id: int, max_blocks: int = 12):
+def layers_table(cache, seq_id: int, max_blocks: int = 12, max_layers: int = 8):
     """The same logical blocks in every layer: each layer's pool hands out its own blocks."""
     from rich.table import Table
     held = [m.blocks_of(seq_id) for m in cache.managers]
@@ -70,8 +70,11 @@ def layers_table(cache, seq_id: int, max_blocks: int = 12):
         t.add_column(f"L{j}", justify="right")
     if n > max_blocks:
         t.add_column("...")
-    for layer, blocks in enumerate(held):
+    for layer, blocks in enumerate(held[:max_layers]):
         t.add_row(str(layer), *(str(b) for b in blocks[:max_blocks]),
+                  *(["..."] if n > max_blocks else []))
+    if len(held) > max_layers:
+        t.add_row(f"+{len(held) - max_layers}", *(["..."] * min(n, max_blocks)),
                   *(["..."] if n > max_blocks else []))
     return t
 
