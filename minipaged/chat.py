@@ -130,10 +130,12 @@ def stats_rows(conv):
                  ("share of held memory holding tokens", f"{w.tokens / max(1, w.allocated):.1%}")]
     else:
         w = measure_contiguous(cache, {conv.seq_id: n} if n else {})
+        rows.append(("token states", f"{w.tokens} slots, {w.tokens * w.bytes_per_slot:,} B"))
     slot = w.bytes_per_slot
     reserve = conv.max_seq_len * slot
-    rows += [("contiguous cache would reserve", f"{conv.max_seq_len} slots, {reserve:,} B "
-              f"({n / conv.max_seq_len:.1%} used)")]
+    what = "contiguous cache would reserve" if hasattr(cache, "managers") else \
+        "this contiguous cache reserves"
+    rows += [(what, f"{conv.max_seq_len} slots, {reserve:,} B ({n / conv.max_seq_len:.1%} used)")]
     if hasattr(cache, "managers"):
         rows.append(("paged cache holds", f"{w.allocated} slots, {w.allocated * slot:,} B"))
     return rows
@@ -151,7 +153,9 @@ def command(conv, text, console, state) -> bool:
     elif name == "/blocks":
         layers = len(getattr(conv.cache, "managers", [None]))
         layer = int(rest[0]) if rest and rest[0].isdigit() else 0
-        if layer >= layers:
+        if not hasattr(conv.cache, "managers") and rest:
+            console.print("[yellow]the contiguous cache has no blocks and no pool per layer[/]")
+        elif layer >= layers:
             console.print(f"[yellow]there are layers 0 to {layers - 1}[/]")
         else:
             console.print(blocks_view(conv.cache, conv.seq_id, layer,
