@@ -201,6 +201,10 @@ def interactive(conv, console, status=True):
         except OutOfBlocksError as e:
             console.print(f"\n[bold yellow]pool full:[/] {escape(str(e))}")
             continue
+        except KeyboardInterrupt:        # mid-step: the cache may hold half a step; start over
+            conv.reset()
+            console.print("\n[yellow]interrupted: new conversation, every block is free[/]")
+            continue
         except MiniPagedError as e:
             console.print(f"\n[bold red]error:[/] {escape(str(e))}")
             continue

@@ -19,6 +19,9 @@ Stage 5 (scheduling): `plot_timeline` (a Gantt chart of requests: waiting, runni
 swapped), `plot_pool_over_time` (blocks per request, stacked, preemptions marked), both from an
 `Engine(record=True).history`; `plot_preemption_costs` (recompute vs swap); `plot_bench` and
 `plot_throughput_vs_budget` (the benchmark of `minipaged.bench`).
+
+The chat (`terminal`): rich views of a live cache — `pool_grid`, `block_table`, `layers_table`,
+`blocks_view` (what `/blocks` prints), `contiguous_view`, `stats_table`, `status_line`.
 """
 
 from .blocks import (EDGE_COLOR, FREE_COLOR, plot_block_tables, plot_contiguous_cache,
@@ -29,3 +32,5 @@ from .fragmentation import (KIND_COLORS, plot_block_size_sweep, plot_concurrency
 from .scheduling import (BENCH_COLORS, STATE_COLORS, _runs, plot_bench, plot_pool_over_time,
                          plot_preemption_costs, plot_throughput_vs_budget, plot_timeline)
 from .training import plot_loss_curve
+from .terminal import (block_table, blocks_view, contiguous_view, layers_table, pool_grid,
+                       stats_table, status_line)
