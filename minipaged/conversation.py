@@ -77,7 +77,9 @@ class Conversation:
         self.exchanges, self.messages = [], []
 
     def _free(self) -> None:
-        if self.cached:
+        """Give the sequence's blocks back (also those of a step interrupted half-way)."""
+        managers = getattr(self.cache, "managers", None)
+        if managers is None or self.seq_id in managers[0]:
             self.cache.free(self.seq_id)
         self.cached = 0
 

@@ -44,7 +44,7 @@ def test_bad_numbers_are_refused_clearly():
 
 
 def test_contiguous_cache_gives_the_same_replies():
-    lines = "what is a block table?\nwhat is paged attention?\n"
+    lines = "what is a block table?\nwhat is paged attention?\n"   # two turns, kept cache
     paged = run_chat("--max-new-tokens", "16", "--block-size", "8", stdin=lines)
     contiguous = run_chat("--max-new-tokens", "16", "--cache", "contiguous", stdin=lines)
     assert paged.returncode == contiguous.returncode == 0, paged.stderr + contiguous.stderr
