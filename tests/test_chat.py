@@ -1,5 +1,7 @@
 """`python -m minipaged.chat` as a user runs it: one-shot, piped, and with a bad path."""
 
+import re
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,8 +10,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_chat(*args, stdin=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1")      # one thread, as in-process tests (conftest)
     return subprocess.run([sys.executable, "-m", "minipaged.chat", *args], cwd=ROOT, input=stdin,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_prompt_mode_answers_and_exits():
@@ -38,3 +41,31 @@ def test_bad_numbers_are_refused_clearly():
     assert r.returncode != 0 and "max-new-tokens" in r.stderr and "Traceback" not in r.stderr
     r = run_chat("--prompt", "hi", "--top-p", "0")
     assert r.returncode != 0 and "top_p" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_contiguous_cache_gives_the_same_replies():
+    lines = "what is a block table?\nwhat is paged attention?\n"   # two turns, kept cache
+    paged = run_chat("--max-new-tokens", "16", "--block-size", "8", stdin=lines)
+    contiguous = run_chat("--max-new-tokens", "16", "--cache", "contiguous", stdin=lines)
+    assert paged.returncode == contiguous.returncode == 0, paged.stderr + contiguous.stderr
+    assert paged.stdout == contiguous.stdout and len(paged.stdout.splitlines()) == 2
+
+
+def test_a_budget_that_is_not_a_size_is_refused():
+    r = run_chat("--prompt", "hi", "--kv-budget", "lots")
+    assert r.returncode != 0 and "4MiB" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_demo_serves_conversations_in_one_batch():
+    r = run_chat("--demo", "3", "--max-new-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert all(f"conv {c}" in out for c in range(3))
+    assert out.count("you> ") == 6 and out.count("model> ") == 6     # two turns each
+    assert re.search(r"conversations / requests\s*│\s*3 / 6", out)
+    assert re.search(r"largest batch \(requests in one step\)\s*│\s*3 ", out)
+    free, total = map(int, re.search(r"blocks free at the end\s*│\s*(\d+) of (\d+)", out).groups())
+    assert free == total                                # every block came back
+    busiest = out.split("when it was busiest")[1]
+    for mark in "abc":                                  # every conversation's blocks in one pool
+        assert re.search(rf"\d+{mark}", busiest)

@@ -24,6 +24,9 @@ Stage 6 (sharing): `plot_shared_blocks` (tables pointing at shared blocks, count
 the pool), `plot_copy_on_write` (before and after a write into a shared block),
 `plot_hash_chain` (a prompt's blocks and their chained hashes), `plot_sharing_savings`; all
 from `sharing_snapshot(cache_manager)`.
+
+The chat (`terminal`): rich views of a live cache — `pool_grid`, `block_table`, `layers_table`,
+`blocks_view` (what `/blocks` prints), `contiguous_view`, `stats_table`, `status_line`.
 """
 
 from .blocks import (EDGE_COLOR, FREE_COLOR, plot_block_tables, plot_contiguous_cache,
@@ -36,3 +39,5 @@ from .scheduling import (BENCH_COLORS, STATE_COLORS, _runs, plot_bench, plot_poo
 from .sharing import (CACHED_COLOR, SHARED_COLOR, plot_copy_on_write, plot_hash_chain,
                       plot_shared_blocks, plot_sharing_savings, sharing_snapshot)
 from .training import plot_loss_curve
+from .terminal import (block_table, blocks_view, contiguous_view, layers_table, pool_grid,
+                       stats_table, status_line)
