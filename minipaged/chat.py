@@ -69,24 +69,31 @@ def model_path(name):
     return packaged_model_path(name) if name in PACKAGED_MODELS else name
 
 
+CHAT_CONTEXT = 4096   # tokens a conversation may hold (Llama 3.1 allows 131,072: ~16 GiB per
+                      # conversation of an 8B model's fp16 KV, more than a laptop has)
+
+
 def make_chat_cache(model, kind="paged", block_size=16, kv_budget=None, max_seqs=1):
-    """The cache the chat's conversations live in. Paged: a pool of `kv_budget` bytes, or
-    by default as many blocks as one full context needs per conversation."""
+    """The cache the chat's conversations live in, each up to CHAT_CONTEXT tokens (or the
+    model's context, if shorter). Paged: a pool of `kv_budget` bytes, or by default as many
+    blocks as one full context needs per conversation, with prefix caching on — a conversation
+    started after /reset finds the blocks of the prompt it shares with the last one."""
     from .cache_manager import num_blocks_for_budget
     from .kv_cache import ContiguousCache
-    from .paged_attention import PagedCache
+    from .paged_cache import PagedCache
     a, p = model.args, next(model.parameters())
+    context = min(a.max_seq_len, CHAT_CONTEXT)
     if kind == "contiguous":
-        return ContiguousCache(a, max_seqs, a.max_seq_len, device=p.device, dtype=p.dtype)
+        return ContiguousCache(a, max_seqs, context, device=p.device, dtype=p.dtype)
     if block_size < 1:
         raise MiniPagedError(f"--block-size must be a positive number of tokens, not {block_size}")
     if kv_budget is None:
-        num_blocks = max_seqs * -(-a.max_seq_len // block_size)
+        num_blocks = max_seqs * -(-context // block_size)
     else:
         num_blocks = num_blocks_for_budget(kv_budget, block_size, a.n_kv_heads, a.head_dim,
                                            p.dtype, a.n_layers)
-    return PagedCache(a, num_blocks, block_size, max_seqs, a.max_seq_len, device=p.device,
-                      dtype=p.dtype)
+    return PagedCache(a, num_blocks, block_size, max_seqs, context, device=p.device,
+                      dtype=p.dtype, prefix_caching=True)
 
 
 def check_args(args):

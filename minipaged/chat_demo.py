@@ -3,8 +3,9 @@ engine, with the pool drawn while their blocks interleave.
 
 Each conversation asks its questions one after another; a follow-up question arrives as a new
 request the moment the previous answer is finished, so conversations at different turns share
-one batch (continuous batching). The engine frees a request's blocks when it finishes, so a
-follow-up prefills its whole history again; `Conversation` (the interactive chat) keeps them.
+one batch (continuous batching). The engine frees a request's blocks when it finishes, but
+with prefix caching (stage 6) their full blocks stay cached: a follow-up finds its history's
+blocks and prefills only the rest. `Conversation` (the interactive chat) keeps them outright.
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ def run_demo(args, console) -> int:
     if args.kv_budget is None:   # by default, room for every conversation's two turns
         per_conv = min(model.args.max_seq_len, 2 * args.max_new_tokens + 128)
         engine = Engine(model, n * -(-per_conv // args.block_size), args.block_size,
-                        max_num_seqs=n, seed=args.seed)
+                        max_num_seqs=n, seed=args.seed, prefix_caching=True)
     else:
         engine = Engine(model, None, args.block_size, kv_budget=args.kv_budget,
-                        max_num_seqs=n, seed=args.seed)
+                        max_num_seqs=n, seed=args.seed, prefix_caching=True)
 
     history = {c: list(prefix) for c in range(n)}           # conversation -> tokens so far
     asked = {c: 0 for c in range(n)}                        # questions sent so far
@@ -101,7 +102,8 @@ def run_demo(args, console) -> int:
         ("engine steps", str(st.steps)),
         ("largest batch (requests in one step)", str(st.running_max)),
         ("tokens generated", str(st.generated_tokens)),
-        ("tokens prefilled (follow-ups prefill their whole history)", str(st.prefill_tokens)),
+        ("tokens prefilled", str(st.prefill_tokens)),
+        ("tokens found in the prefix cache (follow-ups' histories)", str(st.cached_tokens)),
         ("preemptions", str(st.preemptions)),
         ("tokens/s", f"{st.generated_tokens / max(st.seconds, 1e-9):.0f}"),
         ("blocks free at the end", f"{engine.cache.num_free_blocks} of {engine.cache.num_blocks}"),

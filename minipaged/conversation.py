@@ -103,17 +103,28 @@ class Conversation:
         history = self.tokens
         feed = history[self.cached:] + user   # the last reply's closing, then the new message
         start = time.perf_counter()
-        first = self._step(feed, prefill=True)            # raises before changing anything
+        skipped, fresh = 0, self.cached == 0 and getattr(self.cache, "prefix_caching", False)
+        if fresh:
+            # A fresh start (first turn, after /reset, after a rebuild): the pool may still hold
+            # the blocks of an earlier conversation's same beginning (stage 6's prefix cache).
+            try:
+                skipped = self.cache.start(self.seq_id, feed)  # raises before changing anything
+            except OutOfBlocksError as e:
+                raise OutOfBlocksError(pool_full_message(self.cache, len(feed))) from e
+        first = self._step(feed[skipped:], prefill=True, prepared=fresh)
         self.exchanges.append([user, []])
         self.messages.append({"role": "user", "content": text})
         self.cached = len(history) + len(user)
         answer, pool_full = self._decode(first, on_text)
         seconds = time.perf_counter() - start
+        if getattr(self.cache, "prefix_caching", False):   # name the blocks that filled up
+            self.cache.name_blocks(self.seq_id, (history + user + answer)[:self.cached])
         self.exchanges[-1][1] = answer + self.closing
         self.messages.append({"role": "assistant", "content": self.tokenizer.decode(answer)})
         self.turns += 1
         return {"text": self.messages[-1]["content"], "tokens": answer,
-                "prefill_tokens": len(feed), "history_tokens": len(history) + len(user),
+                "prefill_tokens": len(feed) - skipped, "cached_tokens": skipped,
+                "history_tokens": len(history) + len(user),
                 "new_tokens": len(answer), "seconds": seconds, "dropped": dropped,
                 "rebuilt": rebuilt, "pool_full": pool_full}
 
@@ -130,10 +141,12 @@ class Conversation:
             dropped += 1
         return dropped
 
-    def _step(self, tokens, prefill: bool = False) -> int:
-        """Append `tokens` to the conversation's sequence in the cache; sample the next token."""
+    def _step(self, tokens, prefill: bool = False, prepared: bool = False) -> int:
+        """Append `tokens` to the conversation's sequence in the cache (`prepared`: the cache's
+        `start` already made room for them); sample the next token."""
         try:
-            self.cache.prepare([self.seq_id], len(tokens))
+            if not prepared:
+                self.cache.prepare([self.seq_id], len(tokens))
         except OutOfBlocksError as e:
             raise OutOfBlocksError(pool_full_message(self.cache, len(tokens))) from e
         logits = self.model(torch.tensor([tokens], device=self.device), cache=self.cache,

@@ -66,6 +66,8 @@ def test_demo_serves_conversations_in_one_batch():
     assert re.search(r"largest batch \(requests in one step\)\s*│\s*3 ", out)
     free, total = map(int, re.search(r"blocks free at the end\s*│\s*(\d+) of (\d+)", out).groups())
     assert free == total                                # every block came back
+    cached = int(re.search(r"found in the prefix cache.*?│\s*(\d+)", out).group(1))
+    assert cached > 0                                   # follow-ups found their histories
     busiest = out.split("when it was busiest")[1]
     for mark in "abc":                                  # every conversation's blocks in one pool
         assert re.search(rf"\d+{mark}", busiest)

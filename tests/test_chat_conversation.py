@@ -8,7 +8,7 @@ from minipaged import generate, load_model, load_tokenizer
 from minipaged.chat import make_chat_cache
 from minipaged.conversation import Conversation
 from minipaged.gguf_checkpoint import packaged_model_path
-from minipaged.paged_attention import PagedCache
+from minipaged.paged_cache import PagedCache
 from minipaged.tokenizer import chat_format
 
 QUESTIONS = ["what is a block table?", "what is paged attention?", "what is a KV cache?"]
@@ -139,3 +139,22 @@ def test_stats_count_the_conversations_memory(embedded):
     assert rows["blocks held / free / in the pool"].startswith(f"{held} / {128 - held} / 128")
     assert rows["contiguous cache would reserve"].startswith(
         f"{a.max_seq_len} slots, {a.max_seq_len * slot:,} B")
+
+
+def test_a_new_conversation_with_the_same_system_prompt_hits_the_prefix_cache(embedded):
+    model, tok = embedded
+    system = "You explain KV caches, blocks, block tables and paging to newcomers, briefly."
+    cache = make_chat_cache(model, "paged", 4)
+    conv = Conversation(model, tok, cache, max_new_tokens=16, system=system)
+    first = conv.reply(QUESTIONS[0])
+    assert first["cached_tokens"] == 0                      # nothing was cached before
+    conv.reset()                                            # its named blocks stay cached-free
+    calls = counting(model)
+    info = conv.reply(QUESTIONS[1])
+    prefix_len = len(conv.prefix)                           # begin_of_text + the system message
+    assert info["cached_tokens"] >= prefix_len // 4 * 4 > 0
+    assert calls[0] == info["prefill_tokens"] == info["history_tokens"] - info["cached_tokens"]
+    # The blocks found are real: the reply is the one the whole history gives from scratch.
+    history = chat_format(tok).encode_dialog_prompt(
+        [{"role": "system", "content": system}] + conv.messages[:1])
+    assert info["tokens"] == contiguous_reply(model, tok, history, 16)

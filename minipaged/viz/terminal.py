@@ -124,6 +124,8 @@ def status_line(info: dict, cache) -> str:
     rate = info["new_tokens"] / max(info["seconds"], 1e-9)
     line = (f"{info['new_tokens']} tokens, {rate:.0f} tok/s · prefill {info['prefill_tokens']} "
             f"new tokens of {info['history_tokens']} in the history")
+    if info.get("cached_tokens"):
+        line += f" ({info['cached_tokens']} found in the prefix cache)"
     if info.get("rebuilt"):
         line += f" (oldest {info['dropped']} exchange(s) dropped: cache rebuilt)"
     if hasattr(cache, "managers"):
