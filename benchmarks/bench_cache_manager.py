@@ -29,7 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minipaged.cache_manager import CacheManager, num_blocks_for_budget  # noqa: E402
+from minipaged.cache_manager import CacheManager  # noqa: E402
+from minipaged.kv_budget import num_blocks_for_budget  # noqa: E402
 
 
 # -- the baseline: the seed's CacheManager (paged-attention-minimal), behaviour kept -------------

@@ -33,44 +33,6 @@ from .prefix_cache import PrefixCache
 PAD_BLOCK = -1   # what block tables hold past a sequence's last block: "no block here"
 
 
-# -- sizing: how many blocks fit in a memory budget --------------------------------------------
-
-def bytes_per_block(block_size: int, n_kv_heads: int, head_dim: int, dtype=torch.float32,
-                    n_layers: int = 1) -> int:
-    """Bytes that `block_size` tokens of K and V take in `n_layers` layers.
-
-    2 (K and V) * n_layers * block_size * n_kv_heads * head_dim * bytes per element.
-    """
-    return 2 * n_layers * block_size * n_kv_heads * head_dim * dtype.itemsize
-
-
-def num_blocks_for_budget(budget_bytes: int, block_size: int, n_kv_heads: int, head_dim: int,
-                          dtype=torch.float32, n_layers: int = 1) -> int:
-    """The number of blocks per layer that `budget_bytes` of KV memory holds across all layers.
-
-    Every layer gets a pool of this many blocks, so the pools together take
-    num_blocks * bytes_per_block(..., n_layers) <= budget_bytes.
-    """
-    per_block = bytes_per_block(block_size, n_kv_heads, head_dim, dtype, n_layers)
-    num_blocks = int(budget_bytes) // per_block
-    if num_blocks < 1:
-        raise OutOfBlocksError(
-            f"a KV budget of {int(budget_bytes):,} bytes holds no block: one block of {block_size} "
-            f"tokens in {n_layers} layers takes {per_block:,} bytes; raise the budget or shrink "
-            f"block_size")
-    return num_blocks
-
-
-def kv_budget_from_free_memory(fraction: float = 0.9, device="cuda") -> int:
-    """`fraction` of the memory free now on a CUDA device, in bytes; call after loading weights."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise RequestError(f"free memory can only be read on a CUDA device, not {device}; "
-                           f"give the KV budget in bytes instead")
-    free_bytes, _total = torch.cuda.mem_get_info(device)
-    return int(free_bytes * fraction)
-
-
 # -- the free-block set ----------------------------------------------------------------------
 
 class FreeBlockSet:
@@ -374,38 +336,3 @@ class CacheManager:
                 f"out of KV blocks: this step needs {total} new block(s) but only "
                 f"{self.num_free_blocks - reserved} of {self.num_blocks} are free; finish or "
                 f"preempt a sequence, or size the pool from a larger KV budget. Nothing was allocated.")
-
-
-def make_cache_managers(args, budget_bytes: int, block_size: int, max_seqs: int,
-                        device="cpu", dtype=torch.float32, seed: int = 0) -> list[CacheManager]:
-    """One CacheManager per layer of a model (`ModelArgs`), pools sized from a KV memory budget.
-
-    Layer i draws its free blocks with seed `seed + i`, so the same logical block of a sequence
-    lands on different physical blocks in different layers, as in the seed code.
-    """
-    num_blocks = num_blocks_for_budget(budget_bytes, block_size, args.n_kv_heads, args.head_dim,
-                                       dtype, args.n_layers)
-    max_blocks_per_seq = min(num_blocks, -(-args.max_seq_len // block_size))
-    return [CacheManager(num_blocks, block_size, args.n_kv_heads, args.head_dim, max_seqs,
-                         max_blocks_per_seq, device=device, dtype=dtype, seed=seed + i)
-            for i in range(args.n_layers)]
-
-
-# -- moving a sequence to another pool: stage 5's swap -------------------------------------------
-
-def move_sequence(src: CacheManager, dst: CacheManager, seq_id: int) -> tuple[list[int], list[int]]:
-    """Copy a sequence's K/V blocks from one pool into free blocks of another, then free them in
-    the first. GPU -> CPU pool is a swap-out, CPU -> GPU a swap-in; the sequence lands in
-    whatever blocks `dst` draws, so its block table there is new. Returns (src, dst) blocks.
-
-    Raises (OutOfBlocksError, from `dst.reserve`) before anything changes if `dst` lacks room.
-    """
-    n = int(src.seq_lens_for([seq_id])[0])
-    src_blocks = src.blocks_of(seq_id)
-    dst_blocks = dst.reserve(seq_id, n)
-    frm = torch.tensor(src_blocks, dtype=torch.long, device=src.device)     # (k,)
-    to = torch.tensor(dst_blocks, dtype=torch.long, device=dst.device)      # (k,)
-    dst.k_cache_paged[to] = src.k_cache_paged[frm].to(dst.device)           # (k, bs, Hk, D)
-    dst.v_cache_paged[to] = src.v_cache_paged[frm].to(dst.device)
-    src.free(seq_id)
-    return src_blocks, dst_blocks

@@ -78,7 +78,7 @@ def make_chat_cache(model, kind="paged", block_size=16, kv_budget=None, max_seqs
     model's context, if shorter). Paged: a pool of `kv_budget` bytes, or by default as many
     blocks as one full context needs per conversation, with prefix caching on — a conversation
     started after /reset finds the blocks of the prompt it shares with the last one."""
-    from .cache_manager import num_blocks_for_budget
+    from .kv_budget import num_blocks_for_budget
     from .kv_cache import ContiguousCache
     from .paged_cache import PagedCache
     a, p = model.args, next(model.parameters())

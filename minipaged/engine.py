@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache_manager import bytes_per_block, num_blocks_for_budget
+from .kv_budget import bytes_per_block, num_blocks_for_budget
 from .errors import RequestError
 from .generate import sample
 from .scheduler import Request, Scheduler

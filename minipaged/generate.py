@@ -78,7 +78,7 @@ def make_cache(kind: str, model, prompts, max_new_tokens, max_seq_len: int,
     if kind == "contiguous":
         return ContiguousCache(model.args, len(prompts), max_seq_len, device=p.device, dtype=p.dtype)
     if kind == "paged":
-        from .cache_manager import num_blocks_for_budget
+        from .kv_budget import num_blocks_for_budget
         from .paged_cache import PagedCache
 
         if not isinstance(block_size, int) or block_size < 1:

@@ -181,7 +181,6 @@ class PagedCache:
         return self._move(seq_id, self.cpu_managers, self.managers, "KV pool")
 
     def _move(self, seq_id, src, dst, where) -> int:
-        from .cache_manager import move_sequence
         n = len(src[0].blocks_of(seq_id)) if src else 0
         if not dst or n > dst[0].num_free_blocks:    # check once: all layers move, or none
             raise OutOfBlocksError(f"the {where} has no room for sequence {seq_id}'s {n} blocks "
@@ -196,3 +195,23 @@ class PagedCache:
         ids = m.live_seq_ids()
         return ([int(m.seq_lens[s]) for s in ids],
                 [int(m.num_blocks_held[s]) * self.block_size for s in ids])
+
+
+# -- moving a sequence to another pool: stage 5's swap -------------------------------------------
+
+def move_sequence(src: CacheManager, dst: CacheManager, seq_id: int) -> tuple[list[int], list[int]]:
+    """Copy a sequence's K/V blocks from one pool into free blocks of another, then free them in
+    the first. GPU -> CPU pool is a swap-out, CPU -> GPU a swap-in; the sequence lands in
+    whatever blocks `dst` draws, so its block table there is new. Returns (src, dst) blocks.
+
+    Raises (OutOfBlocksError, from `dst.reserve`) before anything changes if `dst` lacks room.
+    """
+    n = int(src.seq_lens_for([seq_id])[0])
+    src_blocks = src.blocks_of(seq_id)
+    dst_blocks = dst.reserve(seq_id, n)
+    frm = torch.tensor(src_blocks, dtype=torch.long, device=src.device)     # (k,)
+    to = torch.tensor(dst_blocks, dtype=torch.long, device=dst.device)      # (k,)
+    dst.k_cache_paged[to] = src.k_cache_paged[frm].to(dst.device)           # (k, bs, Hk, D)
+    dst.v_cache_paged[to] = src.v_cache_paged[frm].to(dst.device)
+    src.free(seq_id)
+    return src_blocks, dst_blocks

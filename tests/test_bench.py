@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_model
 
 from minipaged import bench, viz
-from minipaged.cache_manager import bytes_per_block
+from minipaged.kv_budget import bytes_per_block
 from minipaged.engine import StepRecord
 
 matplotlib.use("Agg")

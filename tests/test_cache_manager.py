@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from minipaged.cache_manager import (PAD_BLOCK, CacheManager, bytes_per_block,
-                                     kv_budget_from_free_memory, make_cache_managers,
-                                     num_blocks_for_budget)
+from minipaged.cache_manager import PAD_BLOCK, CacheManager
+from minipaged.kv_budget import (bytes_per_block, kv_budget_from_free_memory,
+                                 make_cache_managers, num_blocks_for_budget)
 from minipaged.errors import OutOfBlocksError, RequestError
 from minipaged.model import ModelArgs
 

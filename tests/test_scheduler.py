@@ -8,7 +8,8 @@ import torch
 from conftest import tiny_model
 
 from minipaged import OutOfBlocksError, RequestError, generate
-from minipaged.cache_manager import CacheManager, move_sequence
+from minipaged.cache_manager import CacheManager
+from minipaged.paged_cache import move_sequence
 from minipaged.engine import Engine
 from minipaged.generate import row_generator
 
