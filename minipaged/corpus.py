@@ -1,8 +1,8 @@
 """The training corpus of the embedded demo model: generated chat dialogs about this project.
 
 No machine here can download weights, so minipaged trains its own tiny Llama 3 style model on
-text it generates. This module turns the templates and answers of `corpus_data/` (one module per group of topics) into
-dialogs in Llama 3 chat-message form:
+text it generates. This module turns the templates and answers of `corpus_data/` (one module
+per group of topics) into dialogs in Llama 3 chat-message form:
 
     {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...],
      "topic": str, "keywords": [str, ...]}
