@@ -237,10 +237,14 @@ def main(argv=None) -> int:
         if args.prompt is not None:
             print(conv.reply(args.prompt)["text"])
         elif not sys.stdin.isatty():
-            for line in sys.stdin:
-                if line.strip():
+            state = {"status": False}
+            for line in map(str.strip, sys.stdin):
+                if line.startswith("/"):            # the same commands as typed ones
+                    if not command(conv, line, console, state):
+                        break
+                elif line:
                     try:
-                        print(conv.reply(line.strip())["text"], flush=True)
+                        print(conv.reply(line)["text"], flush=True)
                     except OutOfBlocksError as e:
                         errors.print(f"[bold yellow]pool full:[/] {e}", highlight=False)
         else:

@@ -28,6 +28,16 @@ def test_piped_stdin_is_one_message_per_line():
     assert len(replies) >= 2 and "attention" in r.stdout.lower()
 
 
+def test_piped_commands_are_commands_not_messages():
+    r = run_chat("--max-new-tokens", "40",
+                 stdin="what is a block table?\n/blocks\n/quit\nhello!\n")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "logical -> physical" in out                  # /blocks drew the block table
+    assert "minipaged's tiny demo model" not in out      # nothing answered "/blocks", "/quit"
+    assert "Hello" not in out                            # or the line after /quit
+
+
 def test_a_wrong_path_is_one_sentence_and_no_traceback(tmp_path):
     for path in (tmp_path / "missing", tmp_path):
         r = run_chat("--model", str(path), "--prompt", "hi")
