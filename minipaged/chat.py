@@ -165,7 +165,10 @@ def command(conv, text, console, state) -> bool:
         elif layer >= layers:
             console.print(f"[yellow]there are layers 0 to {layers - 1}[/]")
         else:
-            console.print(blocks_view(conv.cache, conv.seq_id, layer,
+            blocks = getattr(conv.cache, "num_blocks", 1)       # (the contiguous cache: none)
+            cell = len(str(blocks - 1)) + 2                      # "id" + mark + space
+            cols = max(4, min(16, (console.width - 4) // cell))  # a row fits the terminal
+            console.print(blocks_view(conv.cache, conv.seq_id, layer, cols=cols,
                                       owners={conv.seq_id: ("you", "dark_green", "*")}))
     elif name == "/stats":
         console.print(stats_table(stats_rows(conv)))

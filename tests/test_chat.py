@@ -9,8 +9,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_chat(*args, stdin=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1")      # one thread, as in-process tests (conftest)
+def run_chat(*args, stdin=None, env=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))  # one thread, as in conftest
     return subprocess.run([sys.executable, "-m", "minipaged.chat", *args], cwd=ROOT, input=stdin,
                           capture_output=True, text=True, timeout=300, env=env)
 
@@ -36,6 +36,20 @@ def test_piped_commands_are_commands_not_messages():
     assert "logical -> physical" in out                  # /blocks drew the block table
     assert "minipaged's tiny demo model" not in out      # nothing answered "/blocks", "/quit"
     assert "Hello" not in out                            # or the line after /quit
+
+
+def test_blocks_on_a_narrow_terminal_and_on_the_contiguous_cache():
+    env = {"COLUMNS": "40"}
+    paged = run_chat("--max-new-tokens", "8", stdin="hi\n/blocks\n", env=env)
+    assert paged.returncode == 0, paged.stderr
+    grid = paged.stdout.split("blocks used")[1].split("you (*)")[0].splitlines()[1:-1]
+    rows = [re.findall(r"\d+", line) for line in grid]
+    full = rows[:-1]                                     # the last row may be short
+    assert len(full) > 2 and all(len(r) == len(full[0]) for r in full)   # no row wrapped
+    assert len(rows[-1]) <= len(full[0])
+    contiguous = run_chat("--cache", "contiguous", stdin="/blocks\n", env=env)
+    assert contiguous.returncode == 0 and "Traceback" not in contiguous.stderr
+    assert "contiguous cache: row 0 reserves" in contiguous.stdout
 
 
 def test_a_wrong_path_is_one_sentence_and_no_traceback(tmp_path):
