@@ -19,10 +19,12 @@ import torch.nn.functional as F
 from .errors import OutOfBlocksError, RequestError
 
 
-def kv_bytes_per_token(args, dtype=torch.bfloat16) -> int:
-    """Bytes of K and V one token occupies across all layers: 2 * n_layers * n_kv_heads * head_dim
-    * bytes per element. Llama 3 8B in bf16: 2 * 32 * 8 * 128 * 2 = 131,072 (128 KiB)."""
-    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * dtype.itemsize
+def kv_bytes_per_token(n_kv_heads: int, head_dim: int, dtype=torch.bfloat16,
+                       n_layers: int = 1) -> int:
+    """Bytes of K and V one token occupies in `n_layers` layers: 2 (K and V) * n_layers *
+    n_kv_heads * head_dim * bytes per element. Llama 3 8B in bf16: 2 * 32 * 8 * 128 * 2 =
+    131,072 (128 KiB), so a cache of 8,192 tokens takes 1 GiB per sequence."""
+    return 2 * n_layers * n_kv_heads * head_dim * dtype.itemsize
 
 
 def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=None):
@@ -140,8 +142,8 @@ class ContiguousCache:
 
     def bytes_per_slot(self) -> int:
         """Bytes of K and V for one token position, summed over all layers."""
-        k = self.k_cache[0]
-        return 2 * self.n_layers * k.shape[2] * k.shape[3] * k.element_size()
+        _, _, n_kv_heads, head_dim = self.k_cache[0].shape
+        return kv_bytes_per_token(n_kv_heads, head_dim, self.k_cache[0].dtype, self.n_layers)
 
     def reserved_bytes(self) -> int:
         """What this cache took from memory the moment it was built, used or not."""

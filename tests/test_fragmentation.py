@@ -359,7 +359,7 @@ def test_paged_beats_max_length_reservation_on_sharegpt():
 # -- the command line ------------------------------------------------------------------------------
 
 def test_the_cli_prints_the_table_and_writes_the_figures(tmp_path, capsys):
-    from minipaged.fragmentation import main
+    from minipaged.benchmarks.policies import main
     assert main(["--requests", "150", "--kv-budget-tokens", "16384", "--assets",
                  str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -371,7 +371,7 @@ def test_the_cli_prints_the_table_and_writes_the_figures(tmp_path, capsys):
 
 
 def test_the_cli_reports_a_bad_trace_in_a_sentence(tmp_path, capsys):
-    from minipaged.fragmentation import main
+    from minipaged.benchmarks.policies import main
     bad = tmp_path / "trace.csv"
     bad.write_text("prompt,output\n1,2\n")
     assert main(["--workload", str(bad), "--no-plots"]) == 2

@@ -71,10 +71,11 @@ def check_invariants(engine):
     assert sorted(rows + s.free_rows) == list(range(engine.cache.managers[0].max_seqs))
     for layer, m in enumerate(engine.cache.managers):
         check_pool(m, s.running, layer)
-    for layer, m in enumerate(engine.cache.cpu_managers):
-        check_pool(m, s.swapped, layer)
-    if not engine.cache.cpu_managers:
+    if engine.swap is None:
         assert not s.swapped
+    else:
+        for layer, m in enumerate(engine.swap.cpu_managers):
+            check_pool(m, s.swapped, layer)
 
 
 @st.composite
@@ -141,7 +142,8 @@ def test_invariants_hold_after_every_step(trace):
         assert STOP not in r.output or not trace["stop"]
         if not trace["stop"]:
             assert len(r.output) == r.max_new_tokens
-    for m in engine.cache.managers + engine.cache.cpu_managers:   # all free, swap pool empty
+    cpu = engine.swap.cpu_managers if engine.swap else []
+    for m in engine.cache.managers + cpu:                         # all free, swap pool empty
         assert m.num_free_blocks == m.num_blocks and not m.live_seq_ids()
     if trace["preemption"] == "recompute":
         assert engine.stats.swapped_blocks == 0

@@ -29,15 +29,15 @@ The chat (`terminal`): rich views of a live cache — `pool_grid`, `block_table`
 `blocks_view` (what `/blocks` prints), `contiguous_view`, `stats_table`, `status_line`.
 """
 
-from .blocks import (EDGE_COLOR, FREE_COLOR, plot_block_tables, plot_contiguous_cache,
+from .pool import (EDGE_COLOR, FREE_COLOR, plot_block_tables, plot_contiguous_cache,
                      plot_gather, plot_pool, rich_pool, seq_color)
-from .fragmentation import (KIND_COLORS, plot_block_size_sweep, plot_concurrency,
+from .waste_plots import (KIND_COLORS, plot_block_size_sweep, plot_concurrency,
                             plot_slot_map, plot_waste_bars, plot_waste_over_time, plot_workload,
                             rich_policy_table)
-from .scheduling import (BENCH_COLORS, STATE_COLORS, _runs, plot_bench, plot_pool_over_time,
+from .timeline import (BENCH_COLORS, STATE_COLORS, _runs, plot_bench, plot_pool_over_time,
                          plot_preemption_costs, plot_throughput_vs_budget, plot_timeline)
-from .sharing import (CACHED_COLOR, SHARED_COLOR, plot_copy_on_write, plot_hash_chain,
+from .shared_blocks import (CACHED_COLOR, SHARED_COLOR, plot_copy_on_write, plot_hash_chain,
                       plot_shared_blocks, plot_sharing_savings, sharing_snapshot)
-from .training import plot_loss_curve
+from .loss_curve import plot_loss_curve
 from .terminal import (block_table, blocks_view, contiguous_view, layers_table, pool_grid,
                        stats_table, status_line)

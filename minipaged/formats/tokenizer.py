@@ -3,7 +3,8 @@ chat format.
 
 A `tokenizer.model` file is a list of `base64(token) rank` lines: the ranks are the token ids and
 also the merge order. Llama 3 has 128,000 of them, followed by 256 special tokens that no text can
-produce. The same file format carries the embedded model's small tokenizer (see `bpe.py`).
+produce. The same file format carries the embedded model's small tokenizer
+(see `minipaged/embedded/bpe.py`).
 """
 
 import codecs
@@ -15,7 +16,7 @@ from pathlib import Path
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
-from .errors import RequestError, TokenizerError
+from ..errors import RequestError, TokenizerError
 
 # Text is cut into chunks by this pattern before BPE runs inside each chunk (Llama 3, like GPT-4):
 # contractions, letters with one leading non-letter, numbers of at most 3 digits, punctuation
@@ -24,7 +25,6 @@ LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "model"
 NUM_SPECIAL_TOKENS = 256
 
 # tiktoken panics on very long inputs and slows down on very long runs of (non-)whitespace
@@ -219,47 +219,3 @@ def chat_format(tokenizer):
         raise TokenizerError("this checkpoint names no chat template minipaged knows (Llama 3's "
                              "headers or ChatML's <|im_start|>); it is not a chat model")
     return fmt(tokenizer)
-
-
-def load_tokenizer(path=None):
-    """Load a tiktoken `tokenizer.model`: a file, a folder holding one (or its `original/`, as in
-    Hugging Face's Llama 3 repos), or None for the embedded model in assets/model. A GGUF file
-    (or a folder holding one and no tokenizer.model) gives the tokenizer stored in it."""
-    if path is None:
-        file = DEFAULT_MODEL_DIR / "tokenizer.model"
-        if not file.is_file():
-            raise TokenizerError(
-                f"the embedded model's tokenizer is missing: expected {file}. Create assets/model "
-                "with the repository's training script, or pass the path of a Llama 3 "
-                "tokenizer.model.")
-        return Tokenizer(file)
-    path = Path(path)
-    if not path.exists():
-        raise TokenizerError(f"{path} does not exist; expected a Llama 3 tokenizer.model "
-                             "(tiktoken format) or a folder holding one.")
-    if path.is_dir():
-        for file in (path / "tokenizer.model", path / "original" / "tokenizer.model"):
-            if file.is_file():
-                return Tokenizer(file)
-        if any(path.glob("*.gguf")):
-            return _gguf_tokenizer(path)
-        found = sorted(p.name for p in path.iterdir())
-        hint = (" (tokenizer.json is Hugging Face's format; their Llama 3 repos keep Meta's "
-                "tokenizer.model under original/)" if "tokenizer.json" in found else "")
-        raise TokenizerError(
-            f"found no tokenizer.model in {path} or {path / 'original'}; the folder holds "
-            f"{', '.join(found[:8]) or 'nothing'}{' ...' if len(found) > 8 else ''}{hint}.")
-    if path.suffix == ".gguf":
-        return _gguf_tokenizer(path)
-    return Tokenizer(path)
-
-
-def _gguf_tokenizer(path):
-    from .errors import CheckpointError
-    from .gguf_checkpoint import find_gguf
-    from .gguf_tokenizer import load_gguf_tokenizer
-
-    try:
-        return load_gguf_tokenizer(find_gguf(path))
-    except CheckpointError as e:
-        raise TokenizerError(str(e)) from None

@@ -1,8 +1,8 @@
-"""Train the embedded default model from scratch: `python -m minipaged.train`.
+"""Train the embedded default model from scratch: `python -m minipaged.embedded.train`.
 
 Everything it needs ships with the repository: the corpus is generated (`corpus.py`), the
 tokenizer is a byte-level BPE trained here (`bpe.py`) in Llama 3's tiktoken format, and the
-model is the Llama 3 architecture of `model.py` (GQA, scaled rope), saved in the Hugging Face
+model is the Llama 3 architecture of `minipaged/model.py` (GQA, scaled rope), saved in the Hugging Face
 layout so `load_model()` reads it through the same path as a real Llama 3.
 """
 
@@ -12,17 +12,17 @@ import argparse
 import json
 import math
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from ..formats import DEFAULT_MODEL_DIR, ChatFormat, Tokenizer, save_model
+from ..model import Llama, ModelArgs
+from ..viz import plot_loss_curve
 from .bpe import save_tiktoken_bpe, train_bpe
-from .checkpoint import DEFAULT_MODEL_DIR, save_model
 from .corpus import build_corpus
-from .model import Llama, ModelArgs
-from .tokenizer import ChatFormat, Tokenizer
 
 N_RANKS = 4096          # BPE tokens (256 bytes + merges); Llama 3's 256 special tokens follow
 
@@ -70,9 +70,6 @@ def evaluate(model, stream: torch.Tensor, seq_len: int, max_windows: int = 64) -
 def train(out_dir: Path = DEFAULT_MODEL_DIR, steps: int = 450, batch_size: int = 24,
           seq_len: int = 256, lr: float = 3e-3, seed: int = 0, threads: int = 2,
           plot_path: Path | None = None):
-    from rich.progress import (BarColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
-
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
     out_dir = Path(out_dir)
@@ -140,7 +137,6 @@ def train(out_dir: Path = DEFAULT_MODEL_DIR, steps: int = 450, batch_size: int =
     save_model(model, out_dir, dtype=torch.bfloat16)
     (out_dir / "training.json").write_text(json.dumps(report, indent=2))
     if plot_path is not None:
-        from .viz import plot_loss_curve
         plot_loss_curve(history, report, plot_path)
     return model, tokenizer, report
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import tiktoken
 
-from .errors import RequestError, TokenizerError
+from ..errors import RequestError, TokenizerError
+from .gguf_checkpoint import gguf_metadata
 from .tokenizer import LLAMA3_PATTERN, ChatFormat, Tokenizer
 
 # GPT-2's split: contractions, letters, numbers, punctuation runs, and spaces (a space sticks to
@@ -172,8 +173,6 @@ class ChatMLFormat:
 
 def load_gguf_tokenizer(file) -> GGUFTokenizer:
     """The tokenizer of a GGUF file (metadata read once, then from the cache)."""
-    from .gguf_checkpoint import gguf_metadata
-
     meta = gguf_metadata(file)
     if "tokenizer.ggml.tokens" not in meta:
         raise TokenizerError(f"{file} carries no tokenizer (no tokenizer.ggml.tokens)")

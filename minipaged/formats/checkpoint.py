@@ -1,10 +1,12 @@
-"""Loading (and saving) Llama 3 checkpoints: Meta's layout and Hugging Face's, one loader.
+"""Llama 3 checkpoints in Meta's layout and Hugging Face's: read them, and write them.
 
     Meta:          params.json + consolidated.00.pth        (keys as in model.py)
     Hugging Face:  config.json + model*.safetensors         (keys renamed, q/k rows permuted)
 
-Both become the same `Llama`. The embedded default model in `assets/model/` is stored in the
-Hugging Face layout, so it goes through exactly the path a real Llama 3 does.
+`read_meta` and `read_hf` return the same thing — `ModelArgs` and a state dict with Meta's
+names — so `loading.load_model` builds one `Llama` from either. The embedded default model in
+`assets/model/` is stored in the Hugging Face layout, so it takes exactly the path a real
+Llama 3 does.
 """
 
 from __future__ import annotations
@@ -13,11 +15,10 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
-from .errors import CheckpointError
-from .gguf_checkpoint import find_gguf, read_gguf
-from .model import Llama, ModelArgs
-from .tokenizer import DEFAULT_MODEL_DIR
+from ..errors import CheckpointError
+from ..model import Llama, ModelArgs
 
 # Hugging Face name -> Meta name, for the parts inside each layer.
 _HF_LAYER_NAMES = {
@@ -101,7 +102,8 @@ def _read_json(path: Path) -> dict:
 
 
 # -- reading the tensors ------------------------------------------------------------------------
-def _read_meta(folder: Path):
+def read_meta(folder: Path):
+    """(ModelArgs, state dict) of a Meta checkpoint folder."""
     args = args_from_params(_read_json(folder / "params.json"))
     shards = sorted(folder.glob("consolidated.*.pth"))
     if len(shards) != 1:
@@ -116,9 +118,8 @@ def _read_meta(folder: Path):
     return args, state
 
 
-def _read_hf(folder: Path):
-    from safetensors.torch import load_file
-
+def read_hf(folder: Path):
+    """(ModelArgs, state dict with Meta's names) of a Hugging Face checkpoint folder."""
     args = args_from_hf_config(_read_json(folder / "config.json"))
     index = folder / "model.safetensors.index.json"
     if index.exists():
@@ -152,64 +153,6 @@ def _read_hf(folder: Path):
     return args, state
 
 
-def _check_state(state: dict, model: Llama, folder: Path, config_name: str):
-    """Every tensor the model needs is there, with the shape the config implies, and no others."""
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if model.args.tie_word_embeddings:
-        expected.pop("output.weight", None)
-        state.pop("output.weight", None)
-    missing = sorted(set(expected) - set(state))
-    extra = sorted(set(state) - set(expected))
-    if missing or extra:
-        what = []
-        if missing:
-            what.append(f"missing {len(missing)} tensors (e.g. {', '.join(missing[:3])})")
-        if extra:
-            what.append(f"{len(extra)} unexpected tensors (e.g. {', '.join(extra[:3])})")
-        raise CheckpointError(f"{folder} does not match its {config_name}: " + "; ".join(what))
-    for k, shape in expected.items():
-        if tuple(state[k].shape) != shape:
-            raise CheckpointError(f"{folder}: tensor {k} has shape {tuple(state[k].shape)}, "
-                                  f"but {config_name} implies {shape}")
-
-
-def load_model(path=None, device="cpu", dtype=None) -> Llama:
-    """Load a Llama 3 checkpoint folder (Meta or Hugging Face layout) or a GGUF file (or a folder
-    holding one) as a `Llama` in eval mode.
-
-    path=None loads the embedded default model; dtype=None keeps the checkpoint's dtype
-    (float32 for a GGUF file, whose quantized blocks have no PyTorch dtype).
-    """
-    folder = Path(path).expanduser() if path is not None else DEFAULT_MODEL_DIR
-    if not folder.exists():
-        raise CheckpointError(f"no such file or folder: {folder}")
-    if not folder.is_dir() and folder.suffix != ".gguf":
-        raise CheckpointError(f"{folder} is a file; give the folder that holds the checkpoint "
-                              "(params.json + consolidated.00.pth, or config.json + *.safetensors)"
-                              ", or a .gguf file")
-    if folder.is_dir() and (folder / "params.json").exists() and any(folder.glob("consolidated.*.pth")):
-        (args, state), config_name = _read_meta(folder), "params.json"
-    elif folder.is_dir() and (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
-        (args, state), config_name = _read_hf(folder), "config.json"
-    elif (gguf_file := find_gguf(folder)) is not None:   # llama.cpp's format: gguf_checkpoint.py
-        (args, state), config_name = read_gguf(gguf_file, dtype), "GGUF metadata"
-    else:
-        found = ", ".join(sorted(p.name for p in folder.iterdir())[:8]) or "nothing"
-        raise CheckpointError(
-            f"{folder} holds no checkpoint minipaged can read: expected params.json + "
-            f"consolidated.00.pth (Meta), config.json + *.safetensors (Hugging Face) or a .gguf "
-            f"file; found {found}")
-    with torch.device("meta"):        # shapes only, no memory: the real tensors come next
-        model = Llama(args)
-    _check_state(state, model, folder, config_name)
-    model.load_state_dict(state, strict=False, assign=True)
-    if args.tie_word_embeddings:
-        model.output.weight = model.tok_embeddings.weight
-    dtype = dtype or next(iter(state.values())).dtype
-    model.source = folder
-    return model.to(device=device, dtype=dtype).eval()
-
-
 # -- saving (the training script and the tests write checkpoints) ----------------------------------
 def save_model(model: Llama, folder, layout: str = "hf", dtype=None) -> Path:
     """Write `model` as a checkpoint folder in Meta's ("meta") or Hugging Face's ("hf") layout."""
@@ -231,8 +174,6 @@ def save_model(model: Llama, folder, layout: str = "hf", dtype=None) -> Path:
         return folder
     if layout != "hf":
         raise ValueError(f"layout must be 'hf' or 'meta', not {layout!r}")
-    from safetensors.torch import save_file
-
     hf = {}
     inverse_layer = {v: k for k, v in _HF_LAYER_NAMES.items()}
     inverse_top = {v: k for k, v in _HF_TOP_NAMES.items()}

@@ -11,7 +11,7 @@ gives the very tokens the merge list gives, on any text: merges run left to righ
 ends stay token boundaries is split the same way wherever it occurs, and two tokens spelling a
 known token were merged when that token was made. tests/test_bpe.py checks it with a plain loop.
 
-    python -m minipaged.bpe corpus.txt --vocab-size 4000 --out tokenizer.model
+    python -m minipaged.embedded.bpe corpus.txt --vocab-size 4000 --out tokenizer.model
 """
 
 import argparse
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import regex
 
-from .tokenizer import LLAMA3_PATTERN
+from ..formats.tokenizer import LLAMA3_PATTERN
 
 
 def count_chunks(texts, pattern=LLAMA3_PATTERN):

@@ -36,11 +36,13 @@ import tempfile
 from importlib.util import find_spec
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
-from .errors import CheckpointError
-from .model import ModelArgs
+from ..errors import CheckpointError
+from ..model import ModelArgs
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +96,6 @@ def find_gguf(path) -> Path | None:
 # -- reading the file -------------------------------------------------------------------------
 def _open(file: Path):
     """A GGUFReader over `file`, or a CheckpointError saying what is wrong with it."""
-    import gguf
-
     with open(file, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
@@ -124,8 +124,6 @@ def _read_metadata(reader) -> dict:
 
 def dequantize(tensor, dtype=torch.float32) -> torch.Tensor:
     """One GGUF tensor as a PyTorch tensor of `dtype`, shape (rows, cols) for a matrix."""
-    import gguf
-
     kind = tensor.tensor_type.name
     if kind not in SUPPORTED_TYPES:
         raise CheckpointError(f"tensor {tensor.name} is stored as {kind}, a quantization "
@@ -239,8 +237,6 @@ def _save_cache(file: Path, meta: dict, state: dict | None = None, dtype=None) -
             _write_atomic(folder / "metadata.json", lambda p: Path(p).write_text(json.dumps(meta)))
             _write_atomic(folder / "source.json", lambda p: Path(p).write_text(json.dumps(_stamp(file))))
         if state is not None:
-            from safetensors.torch import save_file
-
             _write_atomic(folder / f"weights-{_dtype_name(dtype)}.safetensors",
                           lambda p: save_file(state, p))
     except OSError as e:
@@ -272,8 +268,6 @@ def read_gguf(file, dtype=None):
     dtype = dtype or torch.float32
     weights = cache_dir(file) / f"weights-{_dtype_name(dtype)}.safetensors"
     if _cache_valid(file) and weights.is_file():
-        from safetensors.torch import load_file
-
         try:
             state = load_file(weights)
         except Exception as e:            # a damaged cache file: read the GGUF again

@@ -1,8 +1,8 @@
 """One decode step on the CPU: the paged cache (stage 3) against the contiguous cache (stage 1).
 
-    python benchmarks/bench_decode.py                 # batch 16, 8 layers, dim 1024, ~1K context
-    python benchmarks/bench_decode.py --steps 10      # quicker
-    python benchmarks/bench_decode.py --profile       # torch.profiler's table, both caches
+    python -m minipaged.benchmarks.decode_step             # batch 16, 8 layers, dim 1024, ~1K context
+    python -m minipaged.benchmarks.decode_step --steps 10  # quicker
+    python -m minipaged.benchmarks.decode_step --profile   # torch.profiler's table, both caches
 
 Both caches run the same random-weight Llama 3 (GQA) over the same batch: sequences whose
 contexts are drawn uniformly from [--min-context, --max-context], each adding one token a step.
@@ -24,18 +24,18 @@ and each column shows the best (smallest) time over the steps.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rich.console import Console
+from rich.table import Table
+from torch.profiler import ProfilerActivity, profile
 
-from minipaged import Llama, ModelArgs  # noqa: E402
-from minipaged import kv_cache, paged_attention  # noqa: E402
-from minipaged.kv_cache import ContiguousCache  # noqa: E402
-from minipaged.paged_cache import PagedCache  # noqa: E402
+from .. import kv_cache, paged_attention
+from ..kv_cache import ContiguousCache
+from ..model import Llama, ModelArgs
+from ..paged_cache import PagedCache
 
 PARTS = ("prepare", "write+gather", "attention", "rest")   # the columns, in order
 
@@ -131,8 +131,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from rich.console import Console
-    from rich.table import Table
 
     console = Console(width=max(Console().width, 96))     # room for the table without cutting
     model, caches, seq_ids, contexts = build(args)
@@ -140,7 +138,6 @@ def main(argv=None):
     timers = {name: Timer() for name in caches}
 
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
         for name, cache in caches.items():
             for _ in range(args.warmup):
                 step(model, cache, seq_ids, tokens, Timer())

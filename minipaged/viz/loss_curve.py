@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import matplotlib
+import matplotlib.pyplot as plt
+
 def plot_loss_curve(history, report, path=None):
     """Training loss per step, with the held-out loss and the unigram baseline as lines."""
-    import matplotlib
-    import matplotlib.pyplot as plt
 
     if path is not None:
         matplotlib.use("Agg")

@@ -1,7 +1,7 @@
 """What sharing blocks saves (stage 6), measured on the engine in one run, printed as one table.
 
-    python benchmarks/bench_sharing.py                    # embedded model, ~1-2 min on one core
-    python benchmarks/bench_sharing.py --random-model     # same shape, random weights
+    python -m minipaged.benchmarks.sharing_savings                 # embedded model, ~1-2 min on one core
+    python -m minipaged.benchmarks.sharing_savings --random-model  # same shape, random weights
 
 1. Parallel sampling: each prompt of a ShareGPT-like trace (stage 4's lengths / --scale) asks
    for n = 2, 4, 6 samples (temperature 1, no early stop). With sharing, the n samples are one
@@ -22,15 +22,15 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rich.console import Console
+from rich.table import Table
 
-from minipaged.bench import _load, sharegpt_like_trace  # noqa: E402
-from minipaged.engine import Engine  # noqa: E402
-from minipaged.generate import row_generator  # noqa: E402
+from ..api import Engine
+from ..generation import row_generator
+from .serving import _load, sharegpt_like_trace
 
 
 def serve(model, groups, n, share, block_size, max_seq_len, prefix_caching=False):
@@ -103,7 +103,6 @@ def chat_case(model, vocab, args, prefix_caching):
 
 
 def table(par, prefix, caption):
-    from rich.table import Table
     t = Table(title="Sharing KV blocks (stage 6)", caption=caption)
     for col in ["case", "KV blocks mean (off → on)", "peak", "saved (mean)", "paper",
                 "prefill tokens (off → on)", "skipped", "mean TTFT ms (off → on)", "wall s",
@@ -146,7 +145,6 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=16)
     args = p.parse_args(argv)
 
-    from rich.console import Console
     torch.set_num_threads(args.threads)
     console = Console(width=None if sys.stdout.isatty() else 180)
     model = _load(args)

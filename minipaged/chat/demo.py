@@ -1,5 +1,5 @@
-"""`python -m minipaged.chat --demo N`: N scripted conversations served at once by the stage-5
-engine, with the pool drawn while their blocks interleave.
+"""`python -m minipaged.chat --demo N`: N scripted conversations served at once by the engine,
+with the pool drawn while their blocks interleave.
 
 Each conversation asks its questions one after another; a follow-up question arrives as a new
 request the moment the previous answer is finished, so conversations at different turns share
@@ -11,9 +11,16 @@ blocks and prefills only the rest. `Conversation` (the interactive chat) keeps t
 from __future__ import annotations
 
 import torch
+from rich.live import Live
+from rich.markup import escape
 
-from .engine import Engine
-from .viz.blocks import seq_color
+from ..api import Engine
+from ..errors import MiniPagedError
+from ..formats import chat_format, load_model, load_tokenizer
+from ..viz.pool import seq_color
+from ..viz.terminal import pool_grid, stats_table
+from .conversation import format_pieces
+from .options import model_path
 
 SCRIPTS = [
     ["what is a block table?", "and what is paged attention?"],
@@ -27,15 +34,6 @@ MARKS = "abcdefghijklmnopqrstuvwxyz"
 
 
 def run_demo(args, console) -> int:
-    from rich.live import Live
-    from rich.markup import escape
-    from .chat import model_path
-    from .checkpoint import load_model
-    from .conversation import format_pieces
-    from .errors import MiniPagedError
-    from .tokenizer import chat_format, load_tokenizer
-    from .viz.terminal import pool_grid, stats_table
-
     n = args.demo
     if n < 1:
         raise MiniPagedError("--demo needs at least 1 conversation")

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from .blocks import FREE_COLOR, EDGE_COLOR
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.colors import ListedColormap
+from matplotlib.patches import Patch
+from rich.table import Table
+
+from ..fragmentation import PAPER_FIG2
+from .pool import EDGE_COLOR, FREE_COLOR
 
 
 KIND_COLORS = {"token states": "#4c72b0", "reservation": "#dd8452", "internal": "#c44e52",
@@ -10,7 +18,6 @@ KIND_COLORS = {"token states": "#4c72b0", "reservation": "#dd8452", "internal": 
 
 
 def _kind_legend(fig, extra=(), **kw):
-    from matplotlib.patches import Patch
     handles = [Patch(facecolor=c, edgecolor=EDGE_COLOR, lw=0.5, label=k)
                for k, c in KIND_COLORS.items()] + list(extra)
     fig.legend(handles=handles, ncol=len(handles), fontsize=8, frameon=False, **kw)
@@ -39,8 +46,6 @@ def plot_waste_bars(results, paper: bool = True):
     results: SimResults (shares averaged over the steps where requests wait for memory). With
     `paper`, a second panel shows the paper's own Fig. 2 numbers beside them.
     """
-    import matplotlib.pyplot as plt
-    from ..fragmentation import PAPER_FIG2
     fig, axes = plt.subplots(1, 2 if paper else 1, squeeze=False,
                              figsize=(10 if paper else 5.5, 4.2),
                              gridspec_kw={"width_ratios": [1, 1] if paper else [1]})
@@ -54,7 +59,6 @@ def plot_waste_bars(results, paper: bool = True):
         ax.bar([len(rows) - 1], [100 - rows[-1][0]], bottom=[rows[-1][0]], width=0.7,
                color="white", edgecolor=EDGE_COLOR, hatch="////", lw=0.5)
         ax.set_title("vLLM paper, Fig. 2", fontsize=10)
-    from matplotlib.patches import Patch
     extra = [Patch(facecolor="white", edgecolor=EDGE_COLOR, hatch="////", lw=0.5,
                    label="not broken down (paper)")] if paper else []
     _kind_legend(fig, loc="lower center", extra=extra)
@@ -65,7 +69,6 @@ def plot_waste_bars(results, paper: bool = True):
 
 def plot_block_size_sweep(results):
     """Paged policies only: waste and block-table size against the block size."""
-    import matplotlib.pyplot as plt
     paged = sorted((r for r in results if r.policy.kind == "paged"),
                    key=lambda r: r.policy.block_size)
     sizes = [r.policy.block_size for r in paged]
@@ -97,8 +100,6 @@ def plot_block_size_sweep(results):
 
 def plot_concurrency(results):
     """Requests served at once under one KV budget (left); running requests over time (right)."""
-    import matplotlib.pyplot as plt
-    from matplotlib import colormaps
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.1, 1]})
     means = [r.mean_running() for r in results]
     base = means[0]
@@ -127,7 +128,6 @@ def plot_concurrency(results):
 
 def plot_workload(workload, bins: int = 60):
     """Histograms of a workload's prompt and output lengths, with their means."""
-    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(10, 3))
     for ax, lens, what in zip(axes, (workload.prompt_lens, workload.output_lens),
                               ("prompt", "output")):
@@ -143,8 +143,6 @@ def plot_workload(workload, bins: int = 60):
 
 def plot_waste_over_time(result, title: str | None = None):
     """One run's KV memory by kind, step by step (a stacked area, % of the KV memory)."""
-    import matplotlib.pyplot as plt
-    import numpy as np
     fig, ax = plt.subplots(figsize=(9, 3.2))
     steps = np.arange(result.num_steps)
     ax.stackplot(steps, *[100 * result.series[k] / result.capacity for k in KIND_COLORS],
@@ -164,9 +162,6 @@ def plot_slot_map(slot_map, title: str = "", row_labels=None, cols: int | None =
     """Every slot coloured by kind: a paged pool's (num_blocks, block_size) map, one block a row,
     or a contiguous region's (capacity,) map cut into rows of `cols` slots. `marks` writes a
     label into slots, {flat slot index: text} (say, each request's name at its first slot)."""
-    import matplotlib.pyplot as plt
-    import numpy as np
-    from matplotlib.colors import ListedColormap
     grid = np.asarray(slot_map)
     if grid.ndim == 1:
         cols = cols or 32
@@ -195,7 +190,6 @@ def plot_slot_map(slot_map, title: str = "", row_labels=None, cols: int | None =
 
 def rich_policy_table(results, workload=None, budget_slots=None, bytes_per_slot=None):
     """The comparison as a rich Table: shares of KV memory, concurrency, steps, preemptions."""
-    from rich.table import Table
     title = "where the KV memory goes (mean over the steps where requests wait for memory)"
     if workload is not None:
         title += f"\n{workload.describe()}"

@@ -7,7 +7,12 @@ so "before" and "after" pictures can be taken while the manager keeps changing.
 
 from __future__ import annotations
 
-from .blocks import EDGE_COLOR, FREE_COLOR, seq_color
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.patches import FancyArrowPatch, Rectangle
+
+from ..prefix_cache import block_hashes
+from .pool import EDGE_COLOR, FREE_COLOR, seq_color
 
 SHARED_COLOR = "#f2b134"     # a block held by two tables or more
 CACHED_COLOR = "#b9d7ea"     # cached-free: count zero, K/V and hash kept for a later prompt
@@ -28,7 +33,6 @@ def sharing_snapshot(cm, seq_ids=None) -> dict:
 def _draw_tables(ax, snap, highlight=(), title=None, names=None):
     """The pool as one row of blocks (count written in each), each sequence's table below it,
     an arrow from every logical block to its physical block."""
-    from matplotlib.patches import FancyArrowPatch, Rectangle
     n, bs = snap["num_blocks"], snap["block_size"]
     cached = set(snap["cached"])
     for b in range(n):
@@ -73,7 +77,6 @@ def plot_shared_blocks(snapshot, title: str | None = None, highlight=(), names=N
     """One moment of a pool with sharing: each physical block with its reference count (gold:
     shared, blue: cached-free), each sequence's block table with arrows into the pool.
     `snapshot`: from `sharing_snapshot` (or a CacheManager). Returns the Figure."""
-    import matplotlib.pyplot as plt
     snap = snapshot if isinstance(snapshot, dict) else sharing_snapshot(snapshot)
     fig, ax = plt.subplots(figsize=(max(6, 0.45 * snap["num_blocks"] + 2),
                                     1.6 + 0.65 * len(snap["tables"])))
@@ -85,7 +88,6 @@ def plot_shared_blocks(snapshot, title: str | None = None, highlight=(), names=N
 def plot_copy_on_write(before, after, titles=("before the write", "after: copy-on-write")):
     """Two moments side by side (top: before, bottom: after) of one pool: the shared block
     whose count drops, and the fresh copy the writer's table now points at (outlined)."""
-    import matplotlib.pyplot as plt
     fresh = {b for s, t in after["tables"].items() for b in t
              if b not in before["tables"].get(s, [])}
     rows = max(len(before["tables"]), len(after["tables"]))
@@ -101,10 +103,7 @@ def plot_hash_chain(tokens, block_size: int, hit_blocks: int = 0, decode=None, a
     """A prompt cut into blocks: each full block's name is the hash of its tokens and of the
     name before it (arrows). The first `hit_blocks` are drawn as found in the cache; the
     partial last block has no name. `decode(ids)` turns token ids into text (else numbers)."""
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import FancyArrowPatch, Rectangle
 
-    from ..prefix_cache import block_hashes
     hashes = block_hashes(list(tokens), block_size)
     k = -(-len(tokens) // block_size)
     if ax is None:
@@ -139,8 +138,6 @@ def plot_sharing_savings(ns, blocks_off, blocks_on, prefill_off=None, prefill_on
     """Left: KV blocks held (mean) for n parallel samples without and with sharing, the saving
     written over each pair and the paper's range as a band. Right (optional): prefill tokens
     run without and with prefix caching, per case."""
-    import matplotlib.pyplot as plt
-    import numpy as np
     panels = 2 if prefill_off is not None else 1
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.6), squeeze=False)
     _off_on_bars(axes[0, 0], [f"n={n}" for n in ns], blocks_off, blocks_on,
@@ -157,7 +154,6 @@ def plot_sharing_savings(ns, blocks_off, blocks_on, prefill_off=None, prefill_on
 
 def _off_on_bars(ax, ticks, off_values, on_values, names, on_color, ylabel, title):
     """Pairs of bars, without and with sharing, each pair labelled with the saving."""
-    import numpy as np
     x = np.arange(len(ticks))
     ax.bar(x - 0.2, off_values, 0.4, label=names[0], color=FREE_COLOR, edgecolor=EDGE_COLOR)
     ax.bar(x + 0.2, on_values, 0.4, label=names[1], color=on_color)

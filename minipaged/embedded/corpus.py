@@ -1,7 +1,7 @@
 """The training corpus of the embedded demo model: generated chat dialogs about this project.
 
 No machine here can download weights, so minipaged trains its own tiny Llama 3 style model on
-text it generates. This module turns the templates and answers of `corpus_data/` (one module
+text it generates. This module turns the templates and answers of `dialogs/` (one module
 per group of topics) into dialogs in Llama 3 chat-message form:
 
     {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...],
@@ -16,7 +16,7 @@ are never rendered into train, and a few openers and follow-ups are held out eve
 held-out user message appears verbatim in train. Everything is drawn from one
 `random.Random(seed)`, so a seed gives the same corpus on every run.
 
-    python -m minipaged.corpus     # stats and sample dialogs
+    python -m minipaged.embedded.corpus     # stats and sample dialogs
 """
 
 from __future__ import annotations
@@ -25,8 +25,12 @@ import argparse
 import random
 from dataclasses import dataclass
 
-from minipaged.corpus_data import (CHAT_TOPICS, CLOSERS, FOLLOWUPS, GENERIC_WHAT, OPENERS,
-                                   SYSTEM_PROMPTS, TECH_TOPICS)
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
+from .dialogs import (CHAT_TOPICS, CLOSERS, FOLLOWUPS, GENERIC_WHAT, OPENERS, SYSTEM_PROMPTS,
+                      TECH_TOPICS)
 
 TOPICS = {**TECH_TOPICS, **CHAT_TOPICS}
 TRAIN_DIALOGS_PER_TOPIC = {"tech": 185, "chat": 110}
@@ -245,10 +249,6 @@ def corpus_stats(corpus: Corpus) -> dict:
 
 
 def main() -> None:
-    from rich.console import Console
-    from rich.panel import Panel
-    from rich.table import Table
-
     parser = argparse.ArgumentParser(description="Print the demo model's training corpus stats.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--samples", type=int, default=3, help="sample dialogs per split")

@@ -1,7 +1,7 @@
 """The benchmark that justifies paging: one trace, one KV memory budget, three ways to serve it.
 
-    python -m minipaged.bench                  # the table (embedded model, 2 CPU cores)
-    python -m minipaged.bench --sweep          # also tokens/s against the KV budget, drawn
+    python -m minipaged.benchmarks.serving          # the table (embedded model, 2 CPU cores)
+    python -m minipaged.benchmarks.serving --sweep  # also tokens/s against the KV budget, drawn
 
 (a) contiguous, static batches — stage 1's cache, as the seed code serves: every request in a
     batch reserves `max_seq_len` slots, so the budget fixes the batch at
@@ -30,11 +30,18 @@ import time
 from dataclasses import dataclass
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
-from .engine import Engine
-from .generate import generate
-from .kv_cache import ContiguousCache, kv_bytes_per_token
-from .workloads import SHAREGPT, synthetic
+from .. import viz
+from ..embedded.train import N_RANKS, embedded_model_args
+from ..engine import Engine
+from ..errors import MiniPagedError
+from ..formats import load_model
+from ..generation import generate_static
+from ..kv_cache import ContiguousCache, kv_bytes_per_token
+from ..model import Llama
+from ..workloads import SHAREGPT, synthetic
 
 PAPER_CONTEXT = 2048          # the context of the OPT models the vLLM paper served
 
@@ -92,7 +99,8 @@ class _CountingContiguousCache(ContiguousCache):
 def serve_contiguous_static(model, trace, budget_bytes, max_seq_len) -> Result:
     """(a): batches of budget // (max_seq_len slots) requests, each run to its end."""
     a, dtype = model.args, next(model.parameters()).dtype
-    batch = budget_bytes // (max_seq_len * kv_bytes_per_token(a, dtype))
+    batch = budget_bytes // (max_seq_len * kv_bytes_per_token(a.n_kv_heads, a.head_dim, dtype,
+                                                             a.n_layers))
     if batch < 1:
         raise ValueError(f"a budget of {budget_bytes:,} bytes cannot reserve even one "
                          f"{max_seq_len}-token row")
@@ -100,7 +108,8 @@ def serve_contiguous_static(model, trace, budget_bytes, max_seq_len) -> Result:
     for i in range(0, len(trace), batch):
         part = trace[i:i + batch]
         cache = _CountingContiguousCache(a, len(part), max_seq_len, dtype=dtype)
-        generate(model, [p for p, _ in part], [o for _, o in part], cache=cache, stop_tokens=[])
+        generate_static(model, [p for p, _ in part], [o for _, o in part], cache=cache,
+                        stop_tokens=[])
         batches += cache.batches
     return Result("(a) contiguous, static", time.perf_counter() - start,
                   time.process_time() - cpu, len(trace), sum(o for _, o in trace),
@@ -133,7 +142,6 @@ def run_all(model, trace, budget_bytes, max_seq_len, block_size=16, preemption="
 
 def results_table(results, title: str):
     """The three side by side, plus (c)/(a) and (c)/(b), as a rich Table."""
-    from rich.table import Table
     t = Table(title=title, title_justify="left")
     for col in ("server", "requests/s", "tokens/s", "tokens/CPU-s", "mean conc.", "max conc.",
                 "preempted", "wall s"):
@@ -152,7 +160,7 @@ def results_table(results, title: str):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m minipaged.bench",
+    p = argparse.ArgumentParser(prog="python -m minipaged.benchmarks.serving",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--model", help="a Llama 3 checkpoint folder (default: the embedded model)")
     p.add_argument("--random-model", action="store_true",
@@ -175,8 +183,6 @@ def main(argv=None):
     p.add_argument("--plot", default="assets/bench_throughput_vs_budget.png")
     args = p.parse_args(argv)
 
-    from rich.console import Console
-    from .errors import MiniPagedError
     console = Console(width=None if sys.stdout.isatty() else 120)
     torch.set_num_threads(args.threads)
     try:
@@ -186,7 +192,9 @@ def main(argv=None):
         raise SystemExit(1)
     trace, max_seq_len = sharegpt_like_trace(args.requests, args.scale,
                                              model.args.vocab_size - 256, args.seed)
-    per_token = kv_bytes_per_token(model.args, next(model.parameters()).dtype)
+    a = model.args
+    per_token = kv_bytes_per_token(a.n_kv_heads, a.head_dim, next(model.parameters()).dtype,
+                                   a.n_layers)
     budget = args.budget_rows * max_seq_len * per_token
     mean_in = sum(len(q) for q, _ in trace) / len(trace)
     mean_out = sum(o for _, o in trace) / len(trace)
@@ -200,7 +208,6 @@ def main(argv=None):
                       progress=bars)
     console.print(results_table(results, caption))
     if args.sweep:
-        from . import viz
         rows_list = [4, 8, 16, 32]
         sweep = {r: (results if r == args.budget_rows else
                      run_all(model, trace, r * max_seq_len * per_token, max_seq_len,
@@ -217,11 +224,8 @@ def main(argv=None):
 def _load(args):
     dtype = getattr(torch, args.dtype)
     if args.random_model:
-        from .model import Llama
-        from .train import N_RANKS, embedded_model_args
         torch.manual_seed(0)
         return Llama(embedded_model_args(N_RANKS + 256)).to(dtype).eval()
-    from .checkpoint import load_model
     return load_model(args.model, dtype=dtype)
 
 

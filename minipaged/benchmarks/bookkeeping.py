@@ -1,7 +1,7 @@
 """One decode step's block bookkeeping: the seed code's Python loops vs minipaged's CacheManager.
 
-    python benchmarks/bench_cache_manager.py            # 64 sequences x 16 layers, block 16
-    python benchmarks/bench_cache_manager.py --steps 50 # quicker
+    python -m minipaged.benchmarks.bookkeeping            # 64 sequences x 16 layers, block 16
+    python -m minipaged.benchmarks.bookkeeping --steps 50 # quicker
 
 Per step and per layer, both implementations do what a decode step needs: end the requests
 that finished and admit new ones in their slots, grow every running sequence by one token
@@ -21,16 +21,15 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rich.console import Console
+from rich.table import Table
 
-from minipaged.cache_manager import CacheManager  # noqa: E402
-from minipaged.kv_budget import num_blocks_for_budget  # noqa: E402
+from ..cache_manager import CacheManager
+from ..kv_budget import num_blocks_for_budget
 
 
 # -- the baseline: the seed's CacheManager (paged-attention-minimal), behaviour kept -------------
@@ -182,8 +181,6 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="best of this many runs each")
     args = p.parse_args(argv)
 
-    from rich.console import Console
-    from rich.table import Table
 
     bs = args.block_size
     num_blocks = num_blocks_for_budget(int(args.budget_gib * 2**30), bs, n_kv_heads=8,

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import math
 
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.colors import ListedColormap, to_hex
+from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
 FREE_COLOR = "#e6e6e6"     # a free block
 EDGE_COLOR = "#555555"
 
 
 def seq_color(seq_id: int) -> str:
     """A sequence's colour (matplotlib's tab10, cycled), the same in figures and the terminal."""
-    from matplotlib import colormaps
-    from matplotlib.colors import to_hex
     return to_hex(colormaps["tab10"](seq_id % 10))
 
 
@@ -21,7 +29,6 @@ def _grid_cols(num_blocks: int) -> int:
 
 def _draw_pool(ax, cm, cols, origin=(0.0, 0.0), labels=True):
     """Block b at column b % cols, row b // cols (row 0 on top); returns {block: (x, y)} corners."""
-    from matplotlib.patches import Rectangle
     owner, filled = cm.pool_usage()
     x0, y0 = origin
     corners = {}
@@ -44,7 +51,6 @@ def _draw_pool(ax, cm, cols, origin=(0.0, 0.0), labels=True):
 
 
 def _legend(ax, seq_ids):
-    from matplotlib.patches import Patch
     handles = [Patch(facecolor=seq_color(s), label=f"seq {s}") for s in seq_ids]
     handles.append(Patch(facecolor=FREE_COLOR, edgecolor=EDGE_COLOR, label="free"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
@@ -57,7 +63,6 @@ def plot_pool(managers, cols: int | None = None, titles=None, labels: bool | Non
     A block's colour says which sequence owns it (grey: free), its solid part how many of its
     `block_size` slots hold tokens. Returns the matplotlib Figure.
     """
-    import matplotlib.pyplot as plt
     cms = managers if isinstance(managers, (list, tuple)) else [managers]
     cols = cols or _grid_cols(cms[0].num_blocks)
     rows = math.ceil(cms[0].num_blocks / cols)
@@ -86,8 +91,6 @@ def plot_block_tables(cm, seq_ids=None, cols: int | None = None, title: str | No
     Logical block j of a sequence holds its tokens j*block_size ... (j+1)*block_size - 1; the
     arrow shows where in the pool they really are. Returns the matplotlib Figure.
     """
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import FancyArrowPatch, Rectangle
     seq_ids = cm.live_seq_ids() if seq_ids is None else list(seq_ids)
     cols = cols or _grid_cols(cm.num_blocks)
     pool_rows = math.ceil(cm.num_blocks / cols)
@@ -130,10 +133,6 @@ def plot_block_tables(cm, seq_ids=None, cols: int | None = None, title: str | No
 
 def rich_pool(cm, cols: int | None = None, title: str = "KV block pool"):
     """The pool and the block tables as a rich renderable (print it with a rich Console)."""
-    from rich.console import Group
-    from rich.panel import Panel
-    from rich.table import Table
-    from rich.text import Text
     owner, filled = cm.pool_usage()
     cols = cols or _grid_cols(cm.num_blocks)
     digits = len(str(cm.num_blocks - 1))
@@ -173,8 +172,6 @@ def plot_gather(cache, seq_ids=None, layer: int = 0, cols: int | None = None, ne
     one a decode step just wrote at block = pos // block_size, offset = pos % block_size — is
     outlined in both places. Returns the matplotlib Figure.
     """
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import FancyArrowPatch, Rectangle
     cm = cache.managers[layer] if hasattr(cache, "managers") else cache
     seq_ids = cm.live_seq_ids() if seq_ids is None else list(seq_ids)
     bs, owner, filled = cm.block_size, *cm.pool_usage()
@@ -250,9 +247,6 @@ def plot_contiguous_cache(snapshots, max_seq_len: int, prompt_lens, titles=None,
     returns); prompt_lens: each sequence's prompt length, so prompt and generated slots get
     their own colours. `show` limits the columns drawn (the rest are reserved and empty too).
     """
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
-    import numpy as np
 
     cols = show or max_seq_len
     fig, axes = plt.subplots(len(snapshots), 1, figsize=(10, max(2.0, 0.8 + 0.5 * len(prompt_lens) * len(snapshots))),
@@ -270,7 +264,6 @@ def plot_contiguous_cache(snapshots, max_seq_len: int, prompt_lens, titles=None,
                      f"{sum(used)} of {len(used) * max_seq_len} reserved slots hold a token ({share:.1%})",
                      fontsize=9, loc="left")
     axes[-1, 0].set_xlabel("slot (position)" + (f" — first {cols} of {max_seq_len} shown" if cols < max_seq_len else ""))
-    from matplotlib.patches import Patch
     fig.legend(handles=[Patch(color=c, label=l) for c, l in
                         zip(cmap.colors, ["reserved, empty", "prompt", "generated"])],
                loc="upper right", ncol=3, fontsize=8, frameon=False)

@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from .errors import OutOfBlocksError, RequestError
-from .generate import row_generator, sample
-from .tokenizer import chat_format
+from ..errors import OutOfBlocksError, RequestError
+from ..formats import chat_format
+from ..generation import row_generator, sample
 
 
 def format_pieces(fmt, system=None):

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from .blocks import FREE_COLOR, seq_color
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.patches import Patch
+
+from .pool import FREE_COLOR, seq_color
 
 
 STATE_COLORS = {"waiting": "#d9d9d9", "preempted": "#d62728", "swapped": "#ff7f0e"}
@@ -29,8 +33,6 @@ def plot_timeline(history, title: str | None = None):
     """A Gantt chart of requests over engine steps: waiting (grey), running (the request's
     colour), preempted by recompute and waiting again (red hatching), swapped out (orange
     hatching); a cross marks each preemption. `history` is `Engine(record=True).history`."""
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
     req_ids = sorted({i for rec in history for i in rec.states})
     fig, ax = plt.subplots(figsize=(10, 0.7 + 0.32 * len(req_ids)))
     for row, i in enumerate(req_ids):
@@ -58,8 +60,6 @@ def plot_timeline(history, title: str | None = None):
 def plot_pool_over_time(history, num_blocks: int, title: str | None = None):
     """The KV pool over engine steps: blocks held by each request, stacked, free blocks on top;
     a dashed line at every step with a preemption (labelled R for recompute, S for swap)."""
-    import matplotlib.pyplot as plt
-    import numpy as np
     steps = [rec.step for rec in history]
     req_ids = sorted({i for rec in history for i in rec.blocks})
     layers = np.array([[rec.blocks.get(i, 0) for rec in history] for i in req_ids])  # (R, S)
@@ -88,7 +88,6 @@ def plot_pool_over_time(history, num_blocks: int, title: str | None = None):
 def plot_preemption_costs(stats_by_mode, title: str | None = None):
     """Recompute vs swap from two runs of one trace: what each paid (`{mode: EngineStats}`).
     Recompute runs prompt tokens through the model again; swap copies bytes both ways."""
-    import matplotlib.pyplot as plt
     modes = list(stats_by_mode)
     panels = [("preemptions", lambda s: s.preemptions),
               ("tokens prefilled again", lambda s: s.recomputed_tokens),
@@ -113,7 +112,6 @@ BENCH_COLORS = ["#8c8c8c", "#4c72b0", "#55a868"]      # (a) contiguous, (b) page
 
 def plot_bench(results, title: str | None = None):
     """Bars of tokens/s and mean batch for the benchmark's three servers (`bench.Result`s)."""
-    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(10, 3))
     names = [r.name.replace(", ", ",\n") for r in results]
     for ax, (label, get) in zip(axes, [("generated tokens / s", lambda r: r.tokens_per_s),
@@ -134,7 +132,6 @@ def plot_bench(results, title: str | None = None):
 def plot_throughput_vs_budget(budgets_bytes, results_per_budget, title: str | None = None):
     """Generated tokens per second (wall clock, and per CPU-second) against the KV memory
     budget, one line per server."""
-    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     mib = [b / 2**20 for b in budgets_bytes]
     panels = [("generated tokens / s (wall clock)", lambda r: r.tokens_per_s),
