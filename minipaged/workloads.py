@@ -1,4 +1,5 @@
-"""Request traces for the fragmentation simulator: chat-like synthetic lengths, or a user's file.
+"""Stage 4: request traces for the fragmentation simulator — chat-like synthetic lengths, or a
+user's file.
 
 A trace is only what memory depends on: each request's prompt length and output length.
 

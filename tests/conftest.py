@@ -1,14 +1,9 @@
 """Shared fixtures: tiny random Llama 3 models (the embedded model is not needed for these)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from minipaged import Llama, ModelArgs  # noqa: E402
+from minipaged import Llama, ModelArgs
 
 # The models here are tiny: a second thread gains nothing, and on a busy 2-core machine two
 # threads that wait for each other at every operation made these tests 20x slower.
