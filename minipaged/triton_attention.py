@@ -24,6 +24,8 @@ never picks it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .online_softmax import combine_partitions
@@ -38,6 +40,27 @@ except ImportError:
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
+
+
+class Launch(NamedTuple):
+    """How `triton_paged_attention` cuts a call into programs."""
+    rows: int               # query rows per program: (query position, head of the group)
+    q_per_program: int      # query positions per program: rows // group
+    tile: int               # key positions per step of the loop
+    splits: int             # partitions per row (1: v1)
+    grid: tuple             # (B, Hk, query slices x splits)
+
+
+def launch(B: int, Sq: int, Hq: int, Hk: int, block_size: int, num_splits: int = 0) -> Launch:
+    """The grid and tile sizes for a call. tl.dot wants every side of a tile to be at least 16
+    on a GPU, so a program holds at least 16 rows (a decode's group of 4 query heads fills 4)
+    and a tile at least 16 keys; the interpreter runs the same shapes."""
+    group = Hq // Hk
+    rows = max(16, _next_pow2(group))
+    q_per_program = rows // group
+    tile = min(64, max(16, _next_pow2(block_size)))
+    splits = max(1, num_splits)
+    return Launch(rows, q_per_program, tile, splits, (B, Hk, -(-Sq // q_per_program) * splits))
 
 
 if triton is not None:
@@ -155,38 +178,32 @@ def triton_paged_attention(q, k_cache, v_cache, block_table, seqlens_k, causal=T
     """
     B, Sq, Hq, D = q.shape
     Hk, block_size = k_cache.shape[2], k_cache.shape[1]
-    group = Hq // Hk
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the Triton kernel reads each key and value as head_dim contiguous "
                          "elements: pass k_cache and v_cache with stride 1 in their last dimension")
     q = q.contiguous()
     block_table = block_table.contiguous()
     seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32)
-    # tl.dot wants every side of a tile >= 16 on a GPU; the interpreter runs the same shapes.
-    rows = max(16, _next_pow2(group))                  # query rows per program
-    q_per_program = rows // group                      # query positions per program
-    tile = min(64, max(16, _next_pow2(block_size)))    # keys per step of the loop
-    splits = max(1, num_splits)
+    how = launch(B, Sq, Hq, Hk, block_size, num_splits)
     longest = int(seqlens_k.max()) if B else 0
-    split_len = tile * -(-max(longest, 1) // (tile * splits))    # whole tiles per partition
-    grid = (B, Hk, -(-Sq // q_per_program) * splits)
-    if splits == 1:
+    split_len = how.tile * -(-max(longest, 1) // (how.tile * how.splits))   # whole tiles
+    if how.splits == 1:
         out = torch.empty_like(q)
         m = l = out                                    # not used by v1
     else:
-        out = torch.empty(splits, B, Sq, Hq, D, dtype=torch.float32, device=q.device)
-        m, l = (torch.empty(splits, B, Sq, Hq, dtype=torch.float32, device=q.device)
+        out = torch.empty(how.splits, B, Sq, Hq, D, dtype=torch.float32, device=q.device)
+        m, l = (torch.empty(how.splits, B, Sq, Hq, dtype=torch.float32, device=q.device)
                 for _ in range(2))
     if B and Sq:
-        paged_attention_kernel[grid](
+        paged_attention_kernel[how.grid](
             out, q, k_cache, v_cache, block_table, seqlens_k, m, l,
             softmax_scale if softmax_scale is not None else D ** -0.5, Sq, split_len,
             *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
             block_table.stride(0), Hq,
-            GROUP=group, BLOCK_SIZE=block_size, CAUSAL=causal, ROWS=rows,
-            Q_PER_PROGRAM=q_per_program, HEAD_DIM=D, D_PAD=max(16, _next_pow2(D)), TILE=tile,
-            NUM_SPLITS=splits, DOT_TYPE=_dot_type(q.dtype))
-    if splits == 1:
+            GROUP=Hq // Hk, BLOCK_SIZE=block_size, CAUSAL=causal, ROWS=how.rows,
+            Q_PER_PROGRAM=how.q_per_program, HEAD_DIM=D, D_PAD=max(16, _next_pow2(D)),
+            TILE=how.tile, NUM_SPLITS=how.splits, DOT_TYPE=_dot_type(q.dtype))
+    if how.splits == 1:
         return out
     return combine_partitions(m, l, out).to(q.dtype)
 
