@@ -42,8 +42,8 @@ class Backend(NamedTuple):
 
     `attend(q, k_cache, v_cache, block_table, seqlens_k, causal, softmax_scale, num_splits)`
     runs after the new k/v are written: row b has `seqlens_k[b]` keys in the blocks its
-    `block_table` row lists (int64, every entry a real block: see `owned_block_table`). `why_not(q, k_cache)` is a sentence
-    saying why it cannot serve a call, or None.
+    `block_table` row lists (every entry a real block: see `owned_block_table`).
+    `why_not(q, k_cache)` is a sentence saying why it cannot serve a call, or None.
     """
     attend: Callable
     why_not: Callable = lambda q, k_cache: None

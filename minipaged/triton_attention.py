@@ -151,7 +151,8 @@ def _dot_type(dtype):
     bf16 tiles are widened to fp32 first: exact, since every bf16 is an fp32."""
     if dtype == torch.bfloat16 and _interpreted():
         return tl.float32
-    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+    return {torch.float32: tl.float32, torch.float16: tl.float16,
+            torch.bfloat16: tl.bfloat16}[dtype]
 
 
 def why_not_triton(q, k_cache) -> str | None:

@@ -202,8 +202,8 @@ def plot_key_layouts(block_size: int = 8, n_kv_heads: int = 2, head_dim: int = 3
         for a, (t, h, d0) in enumerate(order):
             cx, cy = a % per_line, -(a // per_line)
             read = h == 0 and d0 == 0
-            ax.add_patch(Rectangle((cx + 0.04, cy + 0.04), 0.92, 0.92,
-                                   facecolor=cmap(t / max(1, block_size - 1)) if h == 0 else FREE_COLOR,
+            color = cmap(t / max(1, block_size - 1)) if h == 0 else FREE_COLOR
+            ax.add_patch(Rectangle((cx + 0.04, cy + 0.04), 0.92, 0.92, facecolor=color,
                                    edgecolor="red" if read else EDGE_COLOR, lw=2.2 if read else 0.4,
                                    gid=f"{layout}-{a}-t{t}-h{h}-d{d0}"))
             ax.text(cx + 0.5, cy + 0.5, f"t{t}\nd{d0}-{d0 + x - 1}", ha="center", va="center",
