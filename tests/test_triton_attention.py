@@ -126,11 +126,12 @@ def test_on_a_cpu_without_the_interpreter_auto_is_torch_and_triton_says_how():
 
 
 def test_paged_generation_on_the_kernel_gives_the_contiguous_caches_tokens():
-    model = tiny_model(dtype=torch.float32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_model(dtype=torch.float32).to(device)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (3, 14, 17)]
     n = 4                                       # the prompt of 14 crosses into a second block
-    cache = ContiguousCache(model.args, len(prompts), 64)
+    cache = ContiguousCache(model.args, len(prompts), 64, device=device)
     expected = generate_static(model, prompts, n, cache=cache, stop_tokens=[])
     assert generate_paged(model, prompts, n, block_size=16, backend="triton",
                           stop_tokens=[]) == expected                       # stage 3's batch
