@@ -6,6 +6,7 @@ Read the stages in order, each module beside its lesson (`lessons/`) and noteboo
     1   model.py, kv_cache.py, generation.py      a naive Llama 3, a contiguous cache reserved up front
     2   cache_manager.py, kv_budget.py             blocks, a random free set, a block table per layer
     3   paged_attention.py, paged_cache.py         flash_attn_with_kvcache over scattered blocks
+    3b  online_softmax.py, triton_attention.py     inside the kernel: the block walk, in PyTorch and Triton
     4   fragmentation.py, workloads.py, simulator.py   where the KV memory goes, measured
     5   scheduler.py, swap.py, engine.py           continuous batching, preemption by recompute or swap
     6   prefix_cache.py, sharing.py, sharing_engine.py   reference counts, copy-on-write, prefix caching
@@ -14,6 +15,7 @@ Around them: `formats/` (checkpoints and tokenizers), `embedded/` (the shipped m
 trainer), `chat/` (`python -m minipaged.chat`), `viz/` (the drawings), `benchmarks/`.
 """
 
+from . import triton_attention  # registers backend="triton" with flash_attn_with_kvcache
 from .api import Engine, generate
 from .errors import (CheckpointError, MiniPagedError, OutOfBlocksError, RequestError,
                      TokenizerError, TraceError)

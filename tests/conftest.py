@@ -1,9 +1,16 @@
 """Shared fixtures: tiny random Llama 3 models (the embedded model is not needed for these)."""
 
+import os
+
 import pytest
 import torch
 
-from minipaged import Llama, ModelArgs
+# Without a CUDA GPU, Triton kernels run in Triton's interpreter, which must be switched on
+# before triton is imported (importing minipaged imports it, for backend="triton").
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from minipaged import Llama, ModelArgs  # noqa: E402  (after the switch above)
 
 # The models here are tiny: a second thread gains nothing, and on a busy 2-core machine two
 # threads that wait for each other at every operation made these tests 20x slower.

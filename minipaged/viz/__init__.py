@@ -12,6 +12,12 @@ the same picture in a terminal. Every function reads a CacheManager, never chang
 Stage 3 (paged attention): `plot_gather` draws one layer's pool slot by slot and, below it, the
 contiguous (B, L) view that attention gathers each row's scattered blocks into.
 
+Stage 3b (inside the kernel): `plot_program_grid` (the kernel's programs, one per sequence and
+KV head, with arrows to the blocks each reads), `plot_running_softmax` (one row's running max
+and sum, block by block, from `paged_attention_v1(..., trace=...)`), `plot_partitions` (v2's
+partitions and their merge), `plot_key_layouts` (one block of keys in memory, flash-attn's
+layout and vLLM's), `plot_tiles_over_blocks` (the kernel's tiles over blocks of each size).
+
 Stage 4 (fragmentation): stacked bars of where KV memory goes per policy, block-size sweeps,
 concurrency under a budget, slot maps, and the policy table in rich.
 
@@ -31,6 +37,8 @@ The chat (`terminal`): rich views of a live cache — `pool_grid`, `block_table`
 
 from .pool import (EDGE_COLOR, FREE_COLOR, plot_block_tables, plot_contiguous_cache,
                      plot_gather, plot_pool, rich_pool, seq_color)
+from .kernel_walk import (key_layout_order, plot_key_layouts, plot_partitions,
+                          plot_program_grid, plot_running_softmax, plot_tiles_over_blocks)
 from .waste_plots import (KIND_COLORS, plot_block_size_sweep, plot_concurrency,
                             plot_slot_map, plot_waste_bars, plot_waste_over_time, plot_workload,
                             rich_policy_table)
