@@ -65,7 +65,8 @@ class BeamStep:
     """What one step did (for the drawings and the tests), one entry per survivor, best first."""
     parents: list[int]          # index of its parent among the previous step's beams
     tokens: list[int]           # the token it adds
-    status: list[str]           # "live", "stop" (emitted a stop token) or "length" (the last step)
+    status: list[str]           # "live"; finished: "stop" (a stop token) or "length" (the last
+                                # step); "dropped": live when the search ended, unable to win
     seq_ids: list[int]          # the cache row it continues in (-1: finished)
     forks: list[tuple[int, int]] = field(default_factory=list)   # (parent, child) rows forked
     freed: list[int] = field(default_factory=list)               # rows of beams left childless
@@ -188,9 +189,10 @@ class BeamSearch:
         step.seq_ids = [next(rows) if s == "live" else -1 for s in status]
         self.history.append(step)
         self.done = not self.beams or self.cannot_improve()
-        if self.done:
-            for b in self.beams:                        # given up: their blocks go back
+        if self.done and self.beams:                    # given up: their blocks go back
+            for b in self.beams:
                 self.cache.free(b.seq_id)
+            step.status = ["dropped" if s == "live" else s for s in step.status]
 
     def _reorder(self, parents, step: BeamStep) -> list[int]:
         """Rows for beams continuing `parents` (indices into the old beams), in order."""

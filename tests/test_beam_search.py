@@ -12,6 +12,7 @@ import torch
 from conftest import tiny_model
 from minipaged import beam_search, generate, load_model, load_tokenizer
 from minipaged.beams import BeamSearch
+from minipaged.benchmarks.beam_savings import beam_savings
 from minipaged.errors import RequestError
 from minipaged.formats import packaged_model_path
 
@@ -165,3 +166,14 @@ def test_real_weights_smollm2():
         got = beam_search(smollm2, prompt, 3, 4, cache=cache, block_size=4)
         assert_same(got, want)
     assert len({tuple(t) for t, _ in want}) == 3
+
+
+def test_the_benchmark_counts_blocks_shared_and_unshared():
+    model = tiny_model(0, dtype=torch.float32)
+    trace = [(list(range(1, 20)), 12), (list(range(40, 45)), 1)]
+    result = beam_savings(model, trace, 3, block_size=4)
+    assert result.same and len(result.held) == len(result.unshared) == 12 + 1
+    assert result.unshared[0] == result.held[0] == 5              # the prompt, before any beam
+    assert all(h <= u for h, u in zip(result.held, result.unshared))
+    assert 0 < result.per_prompt[0] < 1 and result.per_prompt[1] == 0   # one token: one beam
+    assert 0 < result.saved < 1

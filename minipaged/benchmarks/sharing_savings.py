@@ -8,7 +8,7 @@
    prefill and n-1 forks over the prompt's blocks (copy-on-write); without, n independent
    requests. KV memory is blocks held per layer, averaged over busy steps and at its peak; the
    vLLM paper (Kwon et al., SOSP 2023) reports 6-30% saved by sharing in parallel sampling and
-   37-66% in beam search (not implemented here: beam candidates also share decoded blocks).
+   37-66% in beam search (stage 6b's `beam_savings`: beams also share decoded blocks).
 2. Prefix caching: prefill tokens skipped and time to first token (from the moment a request
    is added to its first token), with and without prefix caching, for
    (a) many requests sharing a long system prompt, arriving together;
@@ -168,7 +168,7 @@ def main(argv=None):
                f" mean in {mean_in:.0f}, out {mean_out:.0f}), temperature 1; block "
                f"{args.block_size}; KV blocks per layer held, mean over busy steps. Paper: Kwon "
                f"et al. 2023 (vLLM). TTFT from adding a round's requests to each one's first "
-               f"token. Beam search (paper: 37-66%) is not implemented. "
+               f"token. Beam search (paper: 37-66%): python -m minipaged.benchmarks.beam_savings. "
                f"{torch.get_num_threads()} torch thread(s), load average "
                f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.")
     console.print(table(par, prefix, caption))
