@@ -68,12 +68,39 @@ class BeamStep:
     status: list[str]           # "live"; finished: "stop" (a stop token) or "length" (the last
                                 # step); "dropped": live when the search ended, unable to win
     seq_ids: list[int]          # the cache row it continues in (-1: finished)
-    forks: list[tuple[int, int]] = field(default_factory=list)   # (parent, child) rows forked
-    freed: list[int] = field(default_factory=list)               # rows of beams left childless
+    forks: list[tuple[int, int]] = field(default_factory=list)   # paged: (parent, child) rows
+    freed: list[int] = field(default_factory=list)               # paged: rows left childless
 
 
 def score(logprob: float, length: int, length_penalty: float) -> float:
     return logprob / length ** length_penalty
+
+
+def check_beam_request(model, prompt, beam_width, max_new_tokens, length_penalty, stop_tokens,
+                       cache, cache_options) -> set[int]:
+    """Stage 1's request check, then beam search's own; returns the stop tokens (None: the
+    model's)."""
+    check_request(model, [prompt], max_new_tokens, 0.0, 1.0, model.args.max_seq_len)
+    vocab = model.args.vocab_size
+    if not isinstance(beam_width, int) or not 1 <= beam_width <= vocab:
+        raise RequestError(f"beam_width must be an integer from 1 to the vocabulary size "
+                           f"({vocab}), not {beam_width!r}")
+    if max_new_tokens < 1:
+        raise RequestError("beam search needs max_new_tokens >= 1: a hypothesis's score "
+                           "divides by its length, so each needs at least one token")
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)) \
+            or not math.isfinite(length_penalty):
+        raise RequestError(f"length_penalty must be a finite number (1.0 averages the "
+                           f"log-probabilities, 0 sums them), not {length_penalty!r}")
+    stop = model.args.stop_tokens if stop_tokens is None else stop_tokens
+    if not all(isinstance(t, int) and 0 <= t < vocab for t in stop):
+        raise RequestError(f"stop_tokens must be token ids in [0, {vocab}); got {stop!r}")
+    unknown = sorted(set(cache_options) - set(PAGED_OPTIONS if cache == "paged" else ()))
+    if cache not in ("paged", "contiguous") or unknown:
+        raise RequestError(f"beam search runs on cache='paged' (options: "
+                           f"{', '.join(PAGED_OPTIONS)}) or cache='contiguous' (none); got "
+                           f"cache={cache!r}" + (f" with {', '.join(unknown)}" if unknown else ""))
+    return set(stop)
 
 
 def copy_rows(cache: ContiguousCache, src_rows) -> None:
@@ -98,30 +125,10 @@ class BeamSearch:
     def __init__(self, model, prompt, beam_width: int, max_new_tokens: int, cache="paged",
                  block_size: int = 16, length_penalty: float = 1.0, stop_tokens=None,
                  **cache_options):
-        check_request(model, [prompt], max_new_tokens, 0.0, 1.0, model.args.max_seq_len)
-        vocab = model.args.vocab_size
-        if not isinstance(beam_width, int) or not 1 <= beam_width <= vocab:
-            raise RequestError(f"beam_width must be an integer from 1 to the vocabulary size "
-                               f"({vocab}), not {beam_width!r}")
-        if max_new_tokens < 1:
-            raise RequestError("beam search needs max_new_tokens >= 1: a hypothesis's score "
-                               "divides by its length, so each needs at least one token")
-        if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)) \
-                or not math.isfinite(length_penalty):
-            raise RequestError(f"length_penalty must be a finite number (1.0 averages the "
-                               f"log-probabilities, 0 sums them), not {length_penalty!r}")
-        stop = model.args.stop_tokens if stop_tokens is None else stop_tokens
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in stop):
-            raise RequestError(f"stop_tokens must be token ids in [0, {vocab}); got {stop!r}")
-        allowed = PAGED_OPTIONS if cache == "paged" else ()
-        unknown = sorted(set(cache_options) - set(allowed))
-        if cache not in ("paged", "contiguous") or unknown:
-            raise RequestError(f"beam search runs on cache='paged' (options: "
-                               f"{', '.join(PAGED_OPTIONS)}) or cache='contiguous' (none); got "
-                               f"cache={cache!r}" + (f" with {', '.join(unknown)}" if unknown
-                                                     else ""))
+        stop = check_beam_request(model, prompt, beam_width, max_new_tokens, length_penalty,
+                                  stop_tokens, cache, cache_options)
         self.model, self.beam_width, self.max_new_tokens = model, beam_width, max_new_tokens
-        self.length_penalty, self.stop = length_penalty, set(stop)
+        self.length_penalty, self.stop = length_penalty, stop
         self.paged = cache == "paged"
         p = next(model.parameters())
         longest = len(prompt) + max_new_tokens          # no beam grows past this
@@ -185,8 +192,8 @@ class BeamSearch:
         step = BeamStep([s[0] for s in survivors], [s[1] for s in survivors], status, [])
         rows = self._reorder([parent for parent, _, _ in live], step)
         self.beams = [Beam(tokens, logprob, row) for (_, tokens, logprob), row in zip(live, rows)]
-        rows = iter(rows)
-        step.seq_ids = [next(rows) if s == "live" else -1 for s in status]
+        next_row = iter(rows)
+        step.seq_ids = [next(next_row) if s == "live" else -1 for s in status]
         self.history.append(step)
         self.done = not self.beams or self.cannot_improve()
         if self.done and self.beams:                    # given up: their blocks go back

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from .pool import EDGE_COLOR, FREE_COLOR, seq_color
+from .pool import EDGE_COLOR, seq_color
 from .shared_blocks import SHARED_COLOR, _off_on_bars
 
 PRUNED_COLOR = "#b0b0b0"      # a beam none of whose candidates survived: its blocks were freed
@@ -97,17 +97,20 @@ def plot_beam_blocks(blocks_held, ax=None, title=None):
 def plot_beam_savings(widths, beam_unshared, beam_held, ns, sample_off, sample_on,
                       paper_beam=(0.37, 0.66), paper_parallel=(0.06, 0.30)):
     """Two panels of KV blocks per layer (mean) without and with sharing, the saving over each
-    pair: beam search by width (left) and stage 6's parallel sampling by n (right), each titled
-    with the vLLM paper's range."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    pair: beam search by width (left: one prompt at a time) and stage 6's parallel sampling by
+    n (right: the engine serving every prompt at once), each titled with the vLLM paper's
+    range."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     _off_on_bars(axes[0], [f"width {w}" for w in widths], beam_unshared, beam_held,
                  ("each beam its own copy", "beams share blocks"), SHARED_COLOR,
-                 "KV blocks per layer (mean)",
+                 "KV blocks per layer (mean, per prompt)",
                  f"beam search (paper: {paper_beam[0]:.0%}–{paper_beam[1]:.0%} saved)")
     _off_on_bars(axes[1], [f"n={n}" for n in ns], sample_off, sample_on,
-                 ("independent samples", "shared prompt blocks"), FREE_COLOR,
-                 "KV blocks per layer (mean)",
+                 ("independent samples", "samples share the prompt"), SHARED_COLOR,
+                 "KV blocks per layer (mean, all prompts)",
                  f"parallel sampling (paper: {paper_parallel[0]:.0%}–{paper_parallel[1]:.0%} "
                  f"saved)")
+    for ax, top in zip(axes, (max(beam_unshared), max(sample_off))):
+        ax.set_ylim(0, 1.18 * top)                  # room for the savings over the bars
     fig.tight_layout()
     return fig
