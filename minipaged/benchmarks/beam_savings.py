@@ -30,7 +30,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ..beams import BeamSearch
-from .serving import _load, sharegpt_like_trace
+from ..errors import MiniPagedError
+from .serving import _load, add_model_options, sharegpt_like_trace, trace_means
 from .sharing_savings import parallel_sampling
 
 PAPER_BEAM, PAPER_PARALLEL = "37-66%", "6-30%"
@@ -96,12 +97,9 @@ def table(beams, par, caption) -> Table:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="a Llama 3 checkpoint folder (default: the embedded model)")
-    p.add_argument("--random-model", action="store_true",
-                   help="the embedded model's shape with random weights")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--threads", type=int, default=1)
+    p = argparse.ArgumentParser(prog="python -m minipaged.benchmarks.beam_savings",
+                                description=__doc__.splitlines()[0])
+    add_model_options(p)
     p.add_argument("--requests", type=int, default=12, help="prompts of the trace")
     p.add_argument("--scale", type=float, default=4.0, help="divide ShareGPT's lengths by this")
     p.add_argument("--widths", type=int, nargs="+", default=[2, 4, 6],
@@ -112,25 +110,27 @@ def main(argv=None):
 
     torch.set_num_threads(args.threads)
     console = Console(width=None if sys.stdout.isatty() else 180)
-    model = _load(args)
-    trace, max_seq_len = sharegpt_like_trace(args.requests, args.scale,
-                                             model.args.vocab_size - 256)
-    with torch.inference_mode():
-        beams = [beam_savings(model, trace, w, args.block_size) for w in args.widths]
-        par = [] if args.no_parallel else \
-            parallel_sampling(model, trace, args.block_size, max_seq_len, args.widths)
-    mean_in = sum(len(q) for q, _ in trace) / len(trace)
-    mean_out = sum(o for _, o in trace) / len(trace)
-    caption = (f"{len(trace)} ShareGPT-like prompts (lengths / {args.scale:g}: mean in "
-               f"{mean_in:.0f}, out {mean_out:.0f}); block {args.block_size}; KV blocks per "
-               f"layer. Beam search: one prompt at a time, no stop token, length penalty 1, "
+    try:
+        model = _load(args)
+        trace, max_seq_len = sharegpt_like_trace(args.requests, args.scale,
+                                                 model.args.vocab_size - 256)
+        with torch.inference_mode():
+            beams = [beam_savings(model, trace, w, args.block_size) for w in args.widths]
+            par = [] if args.no_parallel else \
+                parallel_sampling(model, trace, args.block_size, max_seq_len, args.widths)
+    except MiniPagedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    caption = (f"{len(trace)} ShareGPT-like prompts (lengths / {args.scale:g}: "
+               f"{trace_means(trace)}); block {args.block_size}; KV blocks per layer. Beam search: one prompt at a time, no stop token, length penalty 1, "
                f"blocks counted after every forward; unshared = each beam its own copy. "
                f"Parallel sampling: stage 6's engine, temperature 1, mean over busy steps. "
                f"Same tokens: paged = contiguous (beams), shared = independent (samples). "
                f"Paper: Kwon et al. 2023 (vLLM). {torch.get_num_threads()} torch thread(s), "
                f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.")
     console.print(table(beams, par, caption))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
