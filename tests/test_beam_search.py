@@ -144,7 +144,8 @@ def test_a_small_pool_fits_because_beams_share():
     (dict(max_new_tokens=-1), "max_new_tokens"), (dict(length_penalty=float("nan")), "finite"),
     (dict(length_penalty="1"), "length_penalty"), (dict(length_penalty=True), "length_penalty"),
     (dict(stop_tokens=[512]), "stop_tokens"), (dict(cache="tree"), "cache='paged'"),
-    (dict(num_blocks=10, cache="contiguous"), "with num_blocks"), (dict(temperature=1.0), "with temperature"),
+    (dict(num_blocks=10, cache="contiguous"), "with num_blocks"),
+    (dict(temperature=1.0), "with temperature"),
     (dict(prompt=[]), "empty"), (dict(prompt=[1, 600]), "outside"),
     (dict(prompt=[1] * 250), "positions"), (dict(block_size=0), "block_size"),
 ])

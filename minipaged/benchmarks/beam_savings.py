@@ -122,8 +122,9 @@ def main(argv=None):
         print(f"error: {err}", file=sys.stderr)
         return 2
     caption = (f"{len(trace)} ShareGPT-like prompts (lengths / {args.scale:g}: "
-               f"{trace_means(trace)}); block {args.block_size}; KV blocks per layer. Beam search: one prompt at a time, no stop token, length penalty 1, "
-               f"blocks counted after every forward; unshared = each beam its own copy. "
+               f"{trace_means(trace)}); block {args.block_size}; KV blocks per layer. Beam "
+               f"search: one prompt at a time, no stop token, length penalty 1, blocks counted "
+               f"after every forward; unshared = each beam its own copy. "
                f"Parallel sampling: stage 6's engine, temperature 1, mean over busy steps. "
                f"Same tokens: paged = contiguous (beams), shared = independent (samples). "
                f"Paper: Kwon et al. 2023 (vLLM). {torch.get_num_threads()} torch thread(s), "

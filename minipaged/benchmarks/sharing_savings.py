@@ -162,7 +162,7 @@ def main(argv=None):
                f" {trace_means(trace)}), temperature 1; block "
                f"{args.block_size}; KV blocks per layer held, mean over busy steps. Paper: Kwon "
                f"et al. 2023 (vLLM). TTFT from adding a round's requests to each one's first "
-               f"token. Beam search (paper: 37-66%): python -m minipaged.benchmarks.beam_savings. "
+               f"token. Beam search (paper: 37-66%): minipaged.benchmarks.beam_savings. "
                f"{torch.get_num_threads()} torch thread(s), load average "
                f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.")
     console.print(table(par, prefix, caption))
