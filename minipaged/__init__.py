@@ -10,13 +10,14 @@ Read the stages in order, each module beside its lesson (`lessons/`) and noteboo
     4   fragmentation.py, workloads.py, simulator.py   where the KV memory goes, measured
     5   scheduler.py, swap.py, engine.py           continuous batching, preemption by recompute or swap
     6   prefix_cache.py, sharing.py, sharing_engine.py   reference counts, copy-on-write, prefix caching
+    6b  beams.py                                   beam search: beams fork and free shared blocks
 
 Around them: `formats/` (checkpoints and tokenizers), `embedded/` (the shipped model's corpus and
 trainer), `chat/` (`python -m minipaged.chat`), `viz/` (the drawings), `benchmarks/`.
 """
 
 from . import triton_attention  # registers backend="triton" with flash_attn_with_kvcache
-from .api import Engine, generate
+from .api import Engine, beam_search, generate
 from .errors import (CheckpointError, MiniPagedError, OutOfBlocksError, RequestError,
                      TokenizerError, TraceError)
 from .formats import ChatFormat, Tokenizer, load_model, load_tokenizer, save_model

@@ -1,4 +1,4 @@
-"""`minipaged.generate` and `minipaged.Engine`: one call above every stage.
+"""`minipaged.generate`, `minipaged.beam_search` and `minipaged.Engine`: one call above every stage.
 
 Not a stage itself: each stage runs on its own (`generation.generate_static` for stage 1,
 `paged_cache.generate_paged` for stage 3, the engines of stages 5 and 6). `generate` picks one
@@ -7,12 +7,15 @@ by its `cache` argument, so a reader can swap caches and compare tokens one for 
     cache="contiguous"   stage 1: a static batch on the cache reserved up front
     cache="paged"        stage 6's engine (continuous batching on shared blocks, stage 5 below it)
     cache=<an object>    a static batch on that cache (a ContiguousCache, a PagedCache, ...)
+
+`beam_search` is stage 6b's own function (`beams.py`), public as it is.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .beams import beam_search     # stage 6b's, public as it is
 from .errors import RequestError
 from .generation import check_request, generate_static, row_generator
 from .kv_budget import pool_blocks

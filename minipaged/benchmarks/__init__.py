@@ -5,6 +5,7 @@
     python -m minipaged.benchmarks.policies        stage 4: KV memory by kind, per allocation policy
     python -m minipaged.benchmarks.serving         stage 5: one trace, one budget, three servers
     python -m minipaged.benchmarks.sharing_savings stage 6: memory and prefill that sharing saves
+    python -m minipaged.benchmarks.beam_savings    stage 6b: beam search's blocks, shared or not
     python -m minipaged.benchmarks.smollm2         a real model: minipaged beside transformers
 
 Not a stage of the course: these modules import the stages and measure them.

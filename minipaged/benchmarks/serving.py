@@ -221,6 +221,22 @@ def main(argv=None):
         console.print(f"wrote {args.plot}")
 
 
+def add_model_options(p) -> None:
+    """The options the sharing benchmarks share: which model, its dtype, torch threads."""
+    p.add_argument("--model", help="a Llama 3 checkpoint folder (default: the embedded model)")
+    p.add_argument("--random-model", action="store_true",
+                   help="the embedded model's shape with random weights")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, default=1)
+
+
+def trace_means(trace) -> str:
+    """"mean in X, out Y": a trace's mean prompt and output lengths, for captions."""
+    mean_in = sum(len(q) for q, _ in trace) / len(trace)
+    mean_out = sum(o for _, o in trace) / len(trace)
+    return f"mean in {mean_in:.0f}, out {mean_out:.0f}"
+
+
 def _load(args):
     dtype = getattr(torch, args.dtype)
     if args.random_model:

@@ -8,7 +8,7 @@
    prefill and n-1 forks over the prompt's blocks (copy-on-write); without, n independent
    requests. KV memory is blocks held per layer, averaged over busy steps and at its peak; the
    vLLM paper (Kwon et al., SOSP 2023) reports 6-30% saved by sharing in parallel sampling and
-   37-66% in beam search (not implemented here: beam candidates also share decoded blocks).
+   37-66% in beam search (stage 6b's `beam_savings`: beams also share decoded blocks).
 2. Prefix caching: prefill tokens skipped and time to first token (from the moment a request
    is added to its first token), with and without prefix caching, for
    (a) many requests sharing a long system prompt, arriving together;
@@ -30,7 +30,7 @@ from rich.table import Table
 
 from ..api import Engine
 from ..generation import row_generator
-from .serving import _load, sharegpt_like_trace
+from .serving import _load, add_model_options, sharegpt_like_trace, trace_means
 
 
 def serve(model, groups, n, share, block_size, max_seq_len, prefix_caching=False):
@@ -129,11 +129,7 @@ def table(par, prefix, caption):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="a Llama 3 checkpoint folder (default: the embedded model)")
-    p.add_argument("--random-model", action="store_true",
-                   help="the embedded model's shape with random weights")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--threads", type=int, default=1)
+    add_model_options(p)
     p.add_argument("--requests", type=int, default=12, help="prompts for parallel sampling")
     p.add_argument("--scale", type=float, default=4.0, help="divide ShareGPT's lengths by this")
     p.add_argument("--samples", type=int, nargs="+", default=[2, 4, 6])
@@ -162,13 +158,11 @@ def main(argv=None):
                 out, ttft, stats = case(model, vocab, args, on)
                 runs.append((out, ttft, stats, time.perf_counter() - start))
             prefix[name] = runs
-    mean_in = sum(len(q) for q, _ in trace) / len(trace)
-    mean_out = sum(o for _, o in trace) / len(trace)
     caption = (f"parallel sampling: {len(trace)} ShareGPT-like prompts (lengths / {args.scale:g}:"
-               f" mean in {mean_in:.0f}, out {mean_out:.0f}), temperature 1; block "
+               f" {trace_means(trace)}), temperature 1; block "
                f"{args.block_size}; KV blocks per layer held, mean over busy steps. Paper: Kwon "
                f"et al. 2023 (vLLM). TTFT from adding a round's requests to each one's first "
-               f"token. Beam search (paper: 37-66%) is not implemented. "
+               f"token. Beam search (paper: 37-66%): minipaged.benchmarks.beam_savings. "
                f"{torch.get_num_threads()} torch thread(s), load average "
                f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.")
     console.print(table(par, prefix, caption))

@@ -31,6 +31,10 @@ the pool), `plot_copy_on_write` (before and after a write into a shared block),
 `plot_hash_chain` (a prompt's blocks and their chained hashes), `plot_sharing_savings`; all
 from `sharing_snapshot(cache_manager)`.
 
+Stage 6b (beam search): `plot_beam_tree` (the beams over time: forks, stops, pruned beams),
+`plot_beam_blocks` (blocks held per forward, shared and unshared), `plot_beam_savings` (beam
+search beside parallel sampling); from a `BeamSearch`'s `history` and `blocks_held`.
+
 The chat (`terminal`): rich views of a live cache — `pool_grid`, `block_table`, `layers_table`,
 `blocks_view` (what `/blocks` prints), `contiguous_view`, `stats_table`, `status_line`.
 """
@@ -46,6 +50,7 @@ from .timeline import (BENCH_COLORS, STATE_COLORS, _runs, plot_bench, plot_pool_
                          plot_preemption_costs, plot_throughput_vs_budget, plot_timeline)
 from .shared_blocks import (CACHED_COLOR, SHARED_COLOR, plot_copy_on_write, plot_hash_chain,
                       plot_shared_blocks, plot_sharing_savings, sharing_snapshot)
+from .beam_tree import PRUNED_COLOR, plot_beam_blocks, plot_beam_savings, plot_beam_tree
 from .loss_curve import plot_loss_curve
 from .terminal import (block_table, blocks_view, contiguous_view, layers_table, pool_grid,
                        stats_table, status_line)
