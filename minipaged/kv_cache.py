@@ -131,8 +131,10 @@ class ContiguousCache:
         rows, positions, L = self._rows_dev, self._positions, self._max_len
         self.k_cache[layer][rows[:, None], positions] = k
         self.v_cache[layer][rows[:, None], positions] = v
-        k_ctx = self.k_cache[layer][rows, :L]                                  # (B, L, Hk, D)
-        v_ctx = self.v_cache[layer][rows, :L]
+        # index_select copies each row's first L slots as one piece; `k_cache[rows, :L]`
+        # indexes element by element and takes about three times as long on a CPU.
+        k_ctx = self.k_cache[layer][:, :L].index_select(0, rows)              # (B, L, Hk, D)
+        v_ctx = self.v_cache[layer][:, :L].index_select(0, rows)
         return attention_over_cache(q, k_ctx, v_ctx, self._seqlens_k, causal=True)
 
     # -- what the lesson draws ------------------------------------------------------------------

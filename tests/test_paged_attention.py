@@ -165,13 +165,29 @@ def owned_slots(block_table, block_size, seqlens):
             for b, n in enumerate(seqlens) for p in range(n)}
 
 
+def garbage_case(block_size, n_new, seed=42):
+    """Rows of 5 tokens, none and two full blocks, each adding n_new: one query each (a decode
+    step) or several (a prompt continued after a cached part), over a shuffled pool."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths, Hk, Hq, D = [5, 0, 2 * block_size], 2, 4, 8
+    max_blocks = -(-(max(lengths) + n_new) // block_size) + 1
+    num_blocks = len(lengths) * max_blocks + 3
+    pool = torch.randperm(num_blocks, generator=gen, dtype=torch.int32)
+    randn = lambda *shape: torch.randn(*shape, generator=gen)
+    B = len(lengths)
+    case = dict(q=randn(B, n_new, Hq, D), k_cache=randn(num_blocks, block_size, Hk, D),
+                v_cache=randn(num_blocks, block_size, Hk, D), k=randn(B, n_new, Hk, D),
+                v=randn(B, n_new, Hk, D), cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                block_table=pool[:B * max_blocks].view(B, max_blocks), causal=True)
+    return case, lengths
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n_new", [1, 4])
 @pytest.mark.parametrize("block_size", [3, 16])
-def test_garbage_outside_owned_slots_changes_nothing(block_size, backend):
+def test_garbage_outside_owned_slots_changes_nothing(block_size, n_new, backend):
     """Free blocks hold stale data, even NaN or inf: no row's output may depend on it."""
-    case, lengths = random_paged_case(42, block_size)
-    case.update(causal=True, cache_seqlens=torch.tensor(lengths, dtype=torch.int32))
-    n_new = 0 if case["k"] is None else case["k"].shape[1]
+    case, lengths = garbage_case(block_size, n_new)
     owned = owned_slots(case["block_table"], block_size, [n + n_new for n in lengths])
     outputs = []
     for junk in (0.0, float("nan"), float("inf"), -1e30):

@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..cache_manager import CacheManager
+from ..errors import OutOfBlocksError
 from ..kv_budget import num_blocks_for_budget
 
 
@@ -181,7 +182,6 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="best of this many runs each")
     args = p.parse_args(argv)
 
-
     bs = args.block_size
     num_blocks = num_blocks_for_budget(int(args.budget_gib * 2**30), bs, n_kv_heads=8,
                                        head_dim=64, dtype=torch.bfloat16, n_layers=args.layers)
@@ -195,6 +195,24 @@ def main(argv=None):
             for i, t in enumerate(prompts):
                 cm.reserve(i, t)
         return cms
+
+    console = Console()
+    try:                # untimed, one layer: does the schedule fit the pool?
+        run_minipaged(fresh_minipaged()[:1], args.batch, events)
+        # Per-call cost of the two calls a model-facing cache makes per layer per step.
+        cm, ids = fresh_minipaged()[0], torch.arange(args.batch)
+        calls = {}
+        for name, fn in [(f"grow({args.batch} seqs, 1)", lambda: cm.grow(ids, 1)),
+                         (f"block_table_for({args.batch} seqs)", lambda: cm.block_table_for(ids))]:
+            n = 200
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            calls[name] = (time.perf_counter() - t0) / n * 1e6
+    except OutOfBlocksError as err:
+        console.print(f"[red]error:[/red] {err} (here: --budget-gib {args.budget_gib} for "
+                      f"--batch {args.batch}; raise --budget-gib)", highlight=False)
+        return 2
 
     taken = []
     runners = {
@@ -214,19 +232,7 @@ def main(argv=None):
             times[name].append(run())
     best = {name: min(t) for name, t in times.items()}
 
-    # Per-call cost of the two calls a model-facing cache makes per layer per step.
-    cm, ids = fresh_minipaged()[0], torch.arange(args.batch)
-    calls = {}
-    for name, fn in [(f"grow({args.batch} seqs, 1)", lambda: cm.grow(ids, 1)),
-                     (f"block_table_for({args.batch} seqs)", lambda: cm.block_table_for(ids))]:
-        n = 200
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        calls[name] = (time.perf_counter() - t0) / n * 1e6
-
     crossings = sum(len(e) for e in events)
-    console = Console()
     table = Table(title=f"one decode step's block bookkeeping: batch {args.batch} x "
                         f"{args.layers} layers, block {bs}, {num_blocks} blocks per layer, "
                         f"{args.steps} steps ({crossings} requests ended and replaced)")
@@ -248,4 +254,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

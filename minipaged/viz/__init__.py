@@ -10,7 +10,8 @@ sequence's logical blocks with an arrow to the physical block holding it; `rich_
 the same picture in a terminal. Every function reads a CacheManager, never changes it.
 
 Stage 3 (paged attention): `plot_gather` draws one layer's pool slot by slot and, below it, the
-contiguous (B, L) view that attention gathers each row's scattered blocks into.
+contiguous (B, L) view that attention gathers each row's scattered blocks into;
+`plot_slots_held` draws the slots each cache holds over a static batch, beside the tokens stored.
 
 Stage 3b (inside the kernel): `plot_program_grid` (the kernel's programs, one per sequence and
 KV head, with arrows to the blocks each reads), `plot_running_softmax` (one row's running max
@@ -40,7 +41,7 @@ The chat (`terminal`): rich views of a live cache — `pool_grid`, `block_table`
 """
 
 from .pool import (EDGE_COLOR, FREE_COLOR, plot_block_tables, plot_contiguous_cache,
-                     plot_gather, plot_pool, rich_pool, seq_color)
+                     plot_gather, plot_pool, plot_slots_held, rich_pool, seq_color)
 from .kernel_walk import (key_layout_order, plot_key_layouts, plot_partitions,
                           plot_program_grid, plot_running_softmax, plot_tiles_over_blocks)
 from .waste_plots import (KIND_COLORS, plot_block_size_sweep, plot_concurrency,

@@ -1,4 +1,5 @@
-"""Stages 1-3 drawn: the contiguous cache's rows, the block pool, block tables, the gather."""
+"""Stages 1-3 drawn: the contiguous cache's rows, the block pool, block tables, the gather, and
+the slots each cache holds over a run."""
 
 from __future__ import annotations
 
@@ -234,6 +235,36 @@ def plot_gather(cache, seq_ids=None, layer: int = 0, cols: int | None = None, ne
     ax.set_aspect("equal")
     ax.axis("off")
     _legend(ax, seq_ids)
+    fig.tight_layout()
+    return fig
+
+
+def plot_slots_held(runs, title: str | None = None, log: bool = True):
+    """KV slots each cache holds (solid) beside the tokens stored in them (dashed), over runs.
+
+    `runs` maps a label to one generation's moments: `cache.usage()` recorded after every token
+    (`generate_static`'s callback), a (used, reserved) pair of per-sequence lists, which the
+    contiguous and the paged cache both answer. The contiguous cache holds `max_seq_len` slots
+    per row from the first token to the last; the paged cache holds the blocks its tokens fill,
+    and a finished sequence's blocks go back at once. Returns the matplotlib Figure.
+    """
+    fig, ax = plt.subplots(figsize=(9, 3.4))
+    stored = {}                                   # one dashed line per distinct series
+    for k, (label, moments) in enumerate(runs.items()):
+        ax.step(range(len(moments)), [sum(held) for _, held in moments], where="post",
+                color=colormaps["tab10"](k), lw=1.8, label=f"{label}: slots held",
+                gid=f"held-{label}")
+        stored.setdefault(tuple(sum(used) for used, _ in moments), label)
+    for series, label in stored.items():
+        ax.step(range(len(series)), series, where="post", color="black", lw=1.0, ls="--",
+                label="tokens stored" + (f" ({label})" if len(stored) > 1 else ""),
+                gid=f"stored-{label}")
+    if log:
+        ax.set_yscale("log")
+    ax.set_xlabel("tokens produced so far (each prefill, then each decode token)")
+    ax.set_ylabel("KV slots per layer")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.set_title(title or "what a static batch holds", fontsize=10, loc="left")
     fig.tight_layout()
     return fig
 
