@@ -12,8 +12,9 @@ finished requests back to the scheduler, which frees their blocks at once — so
 can admit someone new in their place. That is continuous (iteration-level) batching: the batch
 changes every step, instead of waiting for its slowest member.
 
-`minipaged.generate(..., cache="paged")` serves its prompts on an engine; `benchmarks/serving.py`
-measures what continuous batching buys against stage 1's and stage 3's static batches.
+`minipaged.generate(..., cache="paged")` serves its prompts on an engine (stage 6's, which extends
+this one); `python -m minipaged.benchmarks.serving` measures what paging and continuous batching
+buy against static batches on stage 1's contiguous cache and on paged blocks.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ All requests wait at the start (a backlog, when memory is what limits a server).
 
 How a request takes memory is the policy:
 
-  max     one contiguous extent of max_seq_len slots (the seed's Llama 3 cache, Orca (Max));
+  max     one contiguous extent of max_seq_len slots (stage 1's cache, Orca (Max));
   pow2    one extent of the next power of two of its final length (Orca (Pow2));
   oracle  one extent of exactly its final length — an oracle: no real server knows it;
   paged   blocks of block_size slots from a pool, as the CacheManager hands them out.

@@ -10,6 +10,7 @@ from conftest import tiny_model
 
 from minipaged import generate
 from minipaged.cache_manager import CacheManager
+from minipaged.engine import Engine
 from minipaged.errors import MiniPagedError, OutOfBlocksError, RequestError, TraceError
 from minipaged.fragmentation import (EXTERNAL, IDLE, INTERNAL, RESERVED, TOKEN,
                                      FirstFitAllocator, KVWaste, measure_contiguous,
@@ -269,6 +270,28 @@ def test_simulator_paged_preempts_the_newest_request():
     assert r.series["running"].tolist() == [2, 2, 1, 1, 1, 1, 1]
     assert r.series["waiting"].tolist() == [0, 0, 1, 1, 0, 0, 0]
     assert r.series["token states"].tolist() == [3, 5, 4, 5, 2, 3, 4]
+
+
+def test_the_simulator_admits_by_the_schedulers_watermark_rule():
+    """Stage 4's simulator and stage 5's scheduler ask one function, kv_budget.admits. A pool of
+    10 blocks of 4: A (a 16-token prompt, 4 blocks) runs; B's 24-token prompt needs the other 6.
+    With the watermark (one block kept free) both hold B back until A has finished; without it
+    both admit B at once, and both must preempt it at the next step, when A crosses a block."""
+    model = tiny_model()
+    prompts, outputs = [16, 24], [8, 3]
+    for watermark, preemptions, first_steps in ((0.01, 0, [1, 1]), (0.0, 1, [2, 1])):
+        sim = simulate(Workload("two", np.array(prompts), np.array(outputs)), Policy("paged", 4),
+                       budget_slots=40, max_seq_len=40, watermark=watermark)
+        engine = Engine(model, num_blocks=10, block_size=4, watermark=watermark, max_seq_len=40,
+                        record=True)
+        for p, o in zip(prompts, outputs):
+            engine.add_request(list(range(1, p + 1)), o, stop_tokens=[])
+        engine.run()
+        running = [sum(s == "running" for s in rec.states.values()) for rec in engine.history]
+        assert sim.preemptions == engine.stats.preemptions == preemptions
+        assert running[:2] == sim.series["running"][:2].tolist() == first_steps
+        if watermark:                   # nobody preempted: the two agree at every step
+            assert running == sim.series["running"].tolist()
 
 
 def test_simulator_refuses_a_budget_too_small():

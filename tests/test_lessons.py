@@ -6,7 +6,8 @@
   * No placeholder line (an ALL_CAPS_NAME alone on a line) is left outside code blocks.
   * Every repository path a document names (`minipaged/...`, `lessons/...`, `notebooks/...`,
     `tests/...`, `assets/...`, relative links) exists.
-  * Every `python -m minipaged...` command names a module that exists.
+  * Every `python -m minipaged...` command names a module that exists and runs something
+    (it has a `__main__` block, or is a package with a `__main__.py`).
   * Every `name`, `name()` or `Name.attr` in backticks whose first part the package defines
     (a module, class or function of minipaged) resolves: the module, class, function, method or
     attribute is there.
@@ -103,8 +104,9 @@ def test_named_files_exist(doc):
 def test_commands_name_modules_that_exist(doc):
     for m in re.finditer(r"python -m (minipaged[\w.]*)", doc.read_text()):
         module = m.group(1).rstrip(".")
-        path = ROOT / module.replace(".", "/")
-        assert path.with_suffix(".py").is_file() or (path / "__main__.py").is_file(), \
+        path, file = ROOT / module.replace(".", "/"), ROOT / (module.replace(".", "/") + ".py")
+        runs = file.is_file() and re.search(r"^if __name__ == .__main__.:", file.read_text(), re.M)
+        assert runs or (path / "__main__.py").is_file(), \
             f"{doc.name} runs `python -m {module}`, which is no module with a main"
 
 

@@ -3,8 +3,8 @@
     python -m minipaged.benchmarks.serving          # the table (embedded model, 2 CPU cores)
     python -m minipaged.benchmarks.serving --sweep  # also tokens/s against the KV budget, drawn
 
-(a) contiguous, static batches — stage 1's cache, as the seed code serves: every request in a
-    batch reserves `max_seq_len` slots, so the budget fixes the batch at
+(a) contiguous, static batches — stage 1's cache, as paged-attention-minimal serves: every
+    request in a batch reserves `max_seq_len` slots, so the budget fixes the batch at
     budget // max_seq_len requests, and the next batch starts when the slowest one ends.
 (b) paged, static batches — blocks instead of reservations: a batch admits as many requests
     as their prompts' blocks allow, and preempts when they outgrow the pool; still, nobody new

@@ -25,7 +25,7 @@ concurrency under a budget, slot maps, and the policy table in rich.
 Stage 5 (scheduling): `plot_timeline` (a Gantt chart of requests: waiting, running, preempted,
 swapped), `plot_pool_over_time` (blocks per request, stacked, preemptions marked), both from an
 `Engine(record=True).history`; `plot_preemption_costs` (recompute vs swap); `plot_bench` and
-`plot_throughput_vs_budget` (the benchmark of `minipaged.bench`).
+`plot_throughput_vs_budget` (`python -m minipaged.benchmarks.serving`).
 
 Stage 6 (sharing): `plot_shared_blocks` (tables pointing at shared blocks, counts written in
 the pool), `plot_copy_on_write` (before and after a write into a shared block),

@@ -110,16 +110,21 @@ def plot_preemption_costs(stats_by_mode, title: str | None = None):
 BENCH_COLORS = ["#8c8c8c", "#4c72b0", "#55a868"]      # (a) contiguous, (b) paged static, (c)
 
 
-def plot_bench(results, title: str | None = None):
-    """Bars of tokens/s and mean batch for the benchmark's three servers (`bench.Result`s)."""
+def plot_bench(results, title: str | None = None, timed: bool = True):
+    """Bars for the serving benchmark's three servers (`benchmarks.serving.Result`s): generated
+    tokens per second and the mean batch. With `timed=False`, the mean batch and the
+    preemptions: no clock, so the figure is the same on every run and every machine."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3))
     names = [r.name.replace(", ", ",\n") for r in results]
-    for ax, (label, get) in zip(axes, [("generated tokens / s", lambda r: r.tokens_per_s),
-                                       ("mean concurrent requests", lambda r: r.mean_concurrent)]):
+    panels = [("generated tokens / s", lambda r: r.tokens_per_s, ",.1f"),
+              ("mean concurrent requests", lambda r: r.mean_concurrent, ",.1f")]
+    if not timed:
+        panels = panels[1:] + [("preemptions", lambda r: r.preemptions, ",d")]
+    for ax, (label, get, fmt) in zip(axes, panels):
         vals = [get(r) for r in results]
         ax.barh(names, vals, color=BENCH_COLORS[:len(results)])
         for y, v in enumerate(vals):
-            ax.text(v, y, f" {v:,.1f}", va="center", fontsize=8)
+            ax.text(v, y, f" {v:{fmt}}", va="center", fontsize=8)
         ax.invert_yaxis()
         ax.set_title(label, fontsize=9)
         ax.margins(x=0.25)
