@@ -1,5 +1,6 @@
 """Drawings shared by the notebooks, the chat and the README: matplotlib figures, rich renderables.
-One module per stage (blocks, fragmentation, scheduling) plus training; every name is here.
+One module per stage (pool, kernel_walk, waste_plots, timeline, token_budget, shared_blocks,
+beam_tree) plus the chat's terminal views and the training curve; every name is exported here.
 
 Stage 1 (the contiguous cache): `plot_contiguous_cache` draws each sequence's reserved row of
 slots, coloured by what each slot holds — prompt, generated token, or nothing yet.
