@@ -137,11 +137,7 @@ class ChunkedScheduler(Scheduler):
             n = self._admissible(computed, want, out)
             if not n:
                 break
-            self.swap.swap_in(req.seq_id)
-            self.swapped.popleft()
-            req.status = "running"
-            self.running.append(req)
-            out.swapped_in.append(req)
+            self._bring_back(out)
             self._schedule(out, req, n, self.blocks_for(computed + n) - self.blocks_for(computed))
             (out.prefill if req in self.prefilling else out.decode).append(req)
 

@@ -6,7 +6,6 @@ import dataclasses
 import random
 
 import pytest
-import torch
 from conftest import greedy_reference, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,14 +16,6 @@ from minipaged import Engine, RequestError, generate
 from minipaged.chunked_engine import ChunkedEngine
 from minipaged.engine import Engine as Stage5Engine
 from minipaged.generation import row_generator
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def serve(engine_class, block_size, budget, preemption="recompute", **options):
@@ -118,17 +109,6 @@ def test_a_long_prompt_no_longer_stalls_the_running_chats():
         assert sorted(rec.decoded) == [0, 1, 2, 3]
     first_token = min(rec.step for rec in chunked.history if late.req_id in rec.decoded)
     assert first_token == 13                              # sampled at step 12, decodes at 13
-
-
-def test_seeded_sampling_under_a_budget_matches_the_contiguous_cache():
-    model, reqs, _ = trace(16)
-    kw = dict(temperature=1.0, top_p=0.9, stop_tokens=[], seed=7)
-    prompts, limits = [p for p, _, _ in reqs], [n for _, n, _ in reqs]
-    together = generate(model, prompts, limits, cache="contiguous", **kw)
-    for preemption in ("recompute", "swap"):
-        out = generate(model, prompts, limits, cache="paged", block_size=16, num_blocks=5,
-                       preemption=preemption, max_num_batched_tokens=5, **kw)
-        assert out == together
 
 
 def test_a_half_prefilled_request_loses_to_recompute_only_what_it_had_computed():
