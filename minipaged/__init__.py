@@ -8,7 +8,7 @@ Read the stages in order, each module beside its lesson (`lessons/`) and noteboo
     3   paged_attention.py, paged_cache.py         flash_attn_with_kvcache over scattered blocks
     4   fragmentation.py, workloads.py, simulator.py   where the KV memory goes, measured
     5   scheduler.py, swap.py, engine.py           continuous batching, preemption by recompute or swap
-    5b  chunked_prefill.py, chunked_engine.py      a token budget per step, prompts prefilled in chunks
+    5b  chunked_prefill.py, chunked_engine.py      a token budget per step, prompts in chunks
     6   prefix_cache.py, sharing.py, sharing_engine.py   reference counts, copy-on-write, prefix caching
 
 Around them: `formats/` (checkpoints and tokenizers), `embedded/` (the shipped model's corpus and

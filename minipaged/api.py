@@ -20,7 +20,8 @@ from .sharing_engine import SharingEngine
 
 Engine = SharingEngine      # the engine with every stage's options
 PAGED_OPTIONS = ("block_size", "num_blocks", "kv_budget", "preemption", "num_cpu_blocks",
-                 "watermark", "backend", "max_num_seqs", "prefix_caching", "max_num_batched_tokens")
+                 "watermark", "backend", "max_num_seqs", "prefix_caching",
+                 "max_num_batched_tokens")
 
 
 @torch.inference_mode()

@@ -111,7 +111,7 @@ class ChunkedEngine(Engine):
                 ending.append(r)
                 sampling.append(len(tokens) - 1)
             self.stats.prefill_tokens += n
-        self.step_tokens.update(plan.num_tokens)
+        self.tokens_run.update(plan.num_tokens)
         logits = self.model(torch.tensor([tokens], device=self.device), cache=batch,
                             logits_indices=torch.tensor(sampling, dtype=torch.long,
                                                           device=self.device))[0]  # (K, V)

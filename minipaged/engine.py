@@ -108,7 +108,7 @@ class Engine:
         self.stats = EngineStats()
         self.history: list[StepRecord] | None = [] if record else None
         self.callback = None      # callback(event, req_id, token, cache), as generate_static's
-        self.step_tokens: dict[Request, int] = {}  # tokens each request ran in the current step
+        self.tokens_run: dict[Request, int] = {}  # tokens each request ran in the current step
 
     def new_cache(self, *args, **kwargs) -> PagedCache:
         """The engine's KV cache (a later stage builds a richer one here)."""
@@ -152,7 +152,7 @@ class Engine:
                 self.scheduler.add(r)
         plan = self.scheduler.schedule()
         self._count_preemptions(plan)
-        self.step_tokens = {}
+        self.tokens_run = {}
         sampled = self._run_model(plan)             # (request, token, event)
         self._after_model(plan)
         used = self.cache.num_used_blocks
@@ -186,7 +186,7 @@ class Engine:
             tokens = torch.tensor([[r.output[-1]] for r in plan.decode],
                                   device=self.device)                            # (B, 1)
             logits = self.model(tokens, cache=self.cache)[:, -1]                 # (B, V)
-            self.step_tokens.update(dict.fromkeys(plan.decode, 1))
+            self.tokens_run.update(dict.fromkeys(plan.decode, 1))
             sampled += [(r, t, "decode") for r, t in
                         zip(plan.decode, self._sample(plan.decode, logits))]
         for r in plan.prefill:
@@ -201,7 +201,7 @@ class Engine:
         skipped = self._start(r, ids)
         logits = self.model(torch.tensor([ids[skipped:]], device=self.device),
                             cache=self.cache, last_only=True)[:, -1]             # (1, V)
-        self.step_tokens[r] = len(ids) - skipped
+        self.tokens_run[r] = len(ids) - skipped
         self.stats.prefill_tokens += len(ids) - skipped
         self.stats.recomputed_tokens += len(ids) - 1 if r.output else 0
         return logits
@@ -263,7 +263,7 @@ class Engine:
         st.steps += 1
         st.seconds += seconds
         n = len(plan.decode) + len(plan.prefill)     # requests that ran: the batch
-        st.max_step_tokens = max(st.max_step_tokens, sum(self.step_tokens.values()))
+        st.max_step_tokens = max(st.max_step_tokens, sum(self.tokens_run.values()))
         if n:
             st.busy_steps += 1
             st.running_sum += n
@@ -274,7 +274,7 @@ class Engine:
         rec = StepRecord(self.step_count, num_free_blocks=self.cache.num_free_blocks,
                          preempted=[(r.req_id, mode) for r, mode in plan.preempted],
                          decoded=[r.req_id for r in plan.decode],
-                         prefilled={r.req_id: self.step_tokens[r] for r in plan.prefill})
+                         prefilled={r.req_id: self.tokens_run[r] for r in plan.prefill})
         first = self.cache.managers[0]
         for r in self.requests:
             if r.status in ("pending", "finished"):

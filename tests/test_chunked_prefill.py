@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from test_scheduler import TRACES, trace
 from test_sharing_generation import BS, expected, prompts_with_a_system_prompt, run_engine
 
-from minipaged import Engine, RequestError, generate
+from minipaged import Engine, RequestError, generate, viz
 from minipaged.chunked_engine import ChunkedEngine
 from minipaged.engine import Engine as Stage5Engine
 from minipaged.generation import row_generator
@@ -32,10 +32,6 @@ def serve(engine_class, block_size, budget, preemption="recompute", **options):
     return engine
 
 
-def step_tokens(rec) -> int:
-    return len(rec.decoded) + sum(rec.prefilled.values())
-
-
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 @pytest.mark.parametrize("block_size, budget", [(1, 1), (1, 2), (1, 9), (16, 1), (16, 3),
                                                 (16, 17), (16, 200), (256, 64)])
@@ -48,7 +44,7 @@ def test_any_budget_gives_exactly_the_tokens_alone(block_size, budget, preemptio
     # The pool really was too small — except under a budget of one token: one request runs
     # per step, the oldest, to its end, so the pool never runs dry and nobody is preempted.
     assert st.preemptions >= 2 or budget == 1
-    assert max(step_tokens(rec) for rec in engine.history) == st.max_step_tokens
+    assert max(viz.step_tokens(rec) for rec in engine.history) == st.max_step_tokens
     if budget < 200:                                       # some prompt really was chunked
         assert any(len(p) > budget for p, _, _ in trace(block_size)[1])
     cpu = engine.swap.cpu_managers if engine.swap else []
@@ -97,7 +93,7 @@ def test_a_long_prompt_no_longer_stalls_the_running_chats():
         runs[budget] = engine
         if budget:
             assert all(len(c) <= 1 for c in steps)           # one call per step...
-            assert [sum(c) for c in steps] == [step_tokens(rec) for rec in engine.history]
+            assert [sum(c) for c in steps] == [viz.step_tokens(rec) for rec in engine.history]
     whole, chunked = runs[None], runs[32]
     assert [r.output for r in whole.requests] == [r.output for r in chunked.requests]
     assert whole.requests[4].output == greedy_reference(model, long_prompt, 5)

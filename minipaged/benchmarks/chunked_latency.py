@@ -174,10 +174,9 @@ def main(argv=None):
     caption = (f"{args.chats} chats ({args.chat_prompt}-token prompts, {args.chat_tokens} new "
                f"tokens) and {longs} prompts of {args.long_prompt} tokens arriving every "
                f"{args.long_every} steps; block {args.block_size}; medians of {args.repeats} "
-               f"rounds; "
-               f"{'CPU time of this process' if args.clock == 'cpu' else 'wall clock'}; "
-               f"{torch.get_num_threads()} torch thread(s); load average {load:.1f} before, {os.getloadavg()[0]:.1f} "
-               f"after, on {os.cpu_count()} CPUs")
+               f"rounds; {'CPU time of this process' if args.clock == 'cpu' else 'wall clock'}; "
+               f"{torch.get_num_threads()} torch thread(s); load average {load:.1f} before, "
+               f"{os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs")
     console.print(results_table(servers, caption))
 
 

@@ -22,10 +22,10 @@ swapped), `plot_pool_over_time` (blocks per request, stacked, preemptions marked
 `plot_throughput_vs_budget` (the benchmark of `minipaged.bench`).
 
 Stage 5b (chunked prefill): `plot_token_budget` (each step a bar of the tokens it ran, split per
-request — decodes solid, prompt tokens hatched — with the budget as a line), `plot_token_latency`
-(the tokens a running request waits between two of its tokens, and the steps a trace took);
-`token_gaps`, `time_to_first_token` and `step_tokens` count them, all from an
-`Engine(record=True).history`.
+request — decodes solid, prompt tokens hatched — with the budget as a line),
+`plot_token_latency` (the tokens a running request waits between two of its tokens, and the
+steps a trace took); `token_gaps`, `time_to_first_token` and `step_tokens` count them, all from
+an `Engine(record=True).history`.
 
 Stage 6 (sharing): `plot_shared_blocks` (tables pointing at shared blocks, counts written in
 the pool), `plot_copy_on_write` (before and after a write into a shared block),
