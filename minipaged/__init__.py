@@ -9,6 +9,7 @@ Read the stages in order, each module beside its lesson (`lessons/`) and noteboo
     3b  online_softmax.py, triton_attention.py     inside the kernel: the block walk, in PyTorch and Triton
     4   fragmentation.py, workloads.py, simulator.py   where the KV memory goes, measured
     5   scheduler.py, swap.py, engine.py           continuous batching, preemption by recompute or swap
+    5b  chunked_prefill.py, chunked_engine.py      a token budget per step, prompts in chunks
     6   prefix_cache.py, sharing.py, sharing_engine.py   reference counts, copy-on-write, prefix caching
     6b  beams.py                                   beam search: beams fork and free shared blocks
 

@@ -5,7 +5,7 @@ Not a stage itself: each stage runs on its own (`generation.generate_static` for
 by its `cache` argument, so a reader can swap caches and compare tokens one for one:
 
     cache="contiguous"   stage 1: a static batch on the cache reserved up front
-    cache="paged"        stage 6's engine (continuous batching on shared blocks, stage 5 below it)
+    cache="paged"        stage 6's engine (continuous batching on shared blocks, 5 and 5b below it)
     cache=<an object>    a static batch on that cache (a ContiguousCache, a PagedCache, ...)
 
 `beam_search` is stage 6b's own function (`beams.py`), public as it is.
@@ -23,7 +23,8 @@ from .sharing_engine import SharingEngine
 
 Engine = SharingEngine      # the engine with every stage's options
 PAGED_OPTIONS = ("block_size", "num_blocks", "kv_budget", "preemption", "num_cpu_blocks",
-                 "watermark", "backend", "max_num_seqs", "prefix_caching")
+                 "watermark", "backend", "max_num_seqs", "prefix_caching",
+                 "max_num_batched_tokens")
 
 
 @torch.inference_mode()
@@ -40,8 +41,9 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
     cache="paged" serves the prompts on the engine; its options (`PAGED_OPTIONS`): block_size
     (16), num_blocks or kv_budget (bytes; default: room for every sequence at once, so nobody
     is preempted), preemption ("recompute" or "swap"), num_cpu_blocks, watermark, backend,
-    max_num_seqs, and prefix_caching (False unless asked for). A pool too small for all the
-    prompts at once makes the engine admit and preempt rather than fail.
+    max_num_seqs, prefix_caching (False unless asked for), and max_num_batched_tokens (None:
+    whole prefills; N: no step runs more than N tokens, prompts are prefilled in chunks). A pool
+    too small for all the prompts at once makes the engine admit and preempt rather than fail.
 
     n=K returns K samples per prompt, each entry a list of K token lists (n=1 keeps the flat
     shape). Sample j of prompt i draws from stream i * K + j: the stream it would get if each

@@ -49,6 +49,7 @@ class EngineStats:
     swap_bytes: int = 0               # bytes copied to or from the CPU pool, all layers
     running_sum: int = 0              # sum over busy steps of requests holding blocks
     running_max: int = 0
+    max_step_tokens: int = 0          # most tokens one step ran through the model
     seconds: float = 0.0
 
     @property
@@ -68,6 +69,8 @@ class StepRecord:
     blocks: dict = field(default_factory=dict)     # req_id -> blocks held (per layer) in the pool
     preempted: list = field(default_factory=list)  # (req_id, "recompute" | "swap")
     num_free_blocks: int = 0
+    decoded: list = field(default_factory=list)    # req_ids that ran one decode token
+    prefilled: dict = field(default_factory=dict)  # req_id -> prompt tokens it ran
 
 
 class Engine:
@@ -106,6 +109,7 @@ class Engine:
         self.stats = EngineStats()
         self.history: list[StepRecord] | None = [] if record else None
         self.callback = None      # callback(event, req_id, token, cache), as generate_static's
+        self.tokens_run: dict[Request, int] = {}  # tokens each request ran in the current step
 
     def new_cache(self, *args, **kwargs) -> PagedCache:
         """The engine's KV cache (a later stage builds a richer one here)."""
@@ -149,18 +153,8 @@ class Engine:
                 self.scheduler.add(r)
         plan = self.scheduler.schedule()
         self._count_preemptions(plan)
-
-        sampled = []                                # (request, token, event)
-        if plan.decode:
-            self.cache.prepare([r.seq_id for r in plan.decode], 1)
-            tokens = torch.tensor([[r.output[-1]] for r in plan.decode],
-                                  device=self.device)                            # (B, 1)
-            logits = self.model(tokens, cache=self.cache)[:, -1]                 # (B, V)
-            sampled += [(r, t, "decode") for r, t in
-                        zip(plan.decode, self._sample(plan.decode, logits))]
-        for r in plan.prefill:
-            logits = self._prefill(r)                                            # (1, V)
-            sampled += [(g, t, "prefill") for g, t in self._first_tokens(r, logits)]
+        self.tokens_run = {}
+        sampled = self._run_model(plan)             # (request, token, event)
         self._after_model(plan)
         used = self.cache.num_used_blocks
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
@@ -184,6 +178,23 @@ class Engine:
         self._count_step(plan, time.perf_counter() - start)
         return finished
 
+    def _run_model(self, plan) -> list:
+        """The model calls of a step: one batched decode call for every running request, then
+        one prefill call per admitted request. Returns (request, token, event) triples."""
+        sampled = []
+        if plan.decode:
+            self.cache.prepare([r.seq_id for r in plan.decode], 1)
+            tokens = torch.tensor([[r.output[-1]] for r in plan.decode],
+                                  device=self.device)                            # (B, 1)
+            logits = self.model(tokens, cache=self.cache)[:, -1]                 # (B, V)
+            self.tokens_run.update(dict.fromkeys(plan.decode, 1))
+            sampled += [(r, t, "decode") for r, t in
+                        zip(plan.decode, self._sample(plan.decode, logits))]
+        for r in plan.prefill:
+            logits = self._prefill(r)                                            # (1, V)
+            sampled += [(g, t, "prefill") for g, t in self._first_tokens(r, logits)]
+        return sampled
+
     def _prefill(self, r: Request):
         """Run one admitted request's prompt (after a recompute: everything it had) through
         the model; the logits of its last token, (1, V)."""
@@ -191,6 +202,7 @@ class Engine:
         skipped = self._start(r, ids)
         logits = self.model(torch.tensor([ids[skipped:]], device=self.device),
                             cache=self.cache, last_only=True)[:, -1]             # (1, V)
+        self.tokens_run[r] = len(ids) - skipped
         self.stats.prefill_tokens += len(ids) - skipped
         self.stats.recomputed_tokens += len(ids) - 1 if r.output else 0
         return logits
@@ -240,9 +252,10 @@ class Engine:
     def _count_preemptions(self, plan) -> None:
         st = self.stats
         st.preemptions += len(plan.preempted)
-        moved = [r for r, mode in plan.preempted if mode == "swap"] + plan.swapped_in
-        for r in moved:                              # a swapped request holds its cached tokens
-            n = self.scheduler.blocks_for(r.num_tokens - 1)
+        moved = [(r, self.swap.cpu_managers[0]) for r, mode in plan.preempted if mode == "swap"]
+        moved += [(r, self.cache.managers[0]) for r in plan.swapped_in]
+        for r, pool in moved:                        # the blocks of its cached tokens, now there
+            n = len(pool.blocks_of(r.seq_id))
             st.swapped_blocks += n
             st.swap_bytes += n * self.block_bytes
 
@@ -251,6 +264,7 @@ class Engine:
         st.steps += 1
         st.seconds += seconds
         n = len(plan.decode) + len(plan.prefill)     # requests that ran: the batch
+        st.max_step_tokens = max(st.max_step_tokens, sum(self.tokens_run.values()))
         if n:
             st.busy_steps += 1
             st.running_sum += n
@@ -259,7 +273,9 @@ class Engine:
     def _record(self, plan) -> None:
         """Snapshot after the model ran, before finished requests give their blocks back."""
         rec = StepRecord(self.step_count, num_free_blocks=self.cache.num_free_blocks,
-                         preempted=[(r.req_id, mode) for r, mode in plan.preempted])
+                         preempted=[(r.req_id, mode) for r, mode in plan.preempted],
+                         decoded=[r.req_id for r in plan.decode],
+                         prefilled={r.req_id: self.tokens_run[r] for r in plan.prefill})
         first = self.cache.managers[0]
         for r in self.requests:
             if r.status in ("pending", "finished"):

@@ -7,8 +7,11 @@ The model talks to any cache through three calls, so stage 3's paged cache can r
 without the model noticing:
 
     cache.prepare(seq_ids, num_new_tokens)  # before a forward: which sequences, how many tokens
-    cache.cache_seqlens                      # (B,) int32: tokens already stored, per row
+    cache.positions                          # (B, T): where each new token sits in its sequence
     cache.attend(layer, q, k, v)             # store the new k/v, attend q over everything stored
+
+`cache.cache_seqlens` (B,) int32 counts the tokens each row stored before the step, so row b's
+new tokens sit at positions cache_seqlens[b], cache_seqlens[b] + 1, ...
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ class ContiguousCache:
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32)   # tokens stored, per row
         self.rows = None                  # the rows of the current step, (B,)
         self.cache_seqlens = None         # their lengths before the step, (B,) int32
+        self.positions = None             # the positions of the step's new tokens, (B, T)
 
     # -- bookkeeping -------------------------------------------------------------------
     def prepare(self, seq_ids, num_new_tokens: int) -> None:
@@ -116,7 +120,7 @@ class ContiguousCache:
         device = self.k_cache[0].device
         self._rows_dev = rows.to(device)
         self._seqlens_dev = self.cache_seqlens.to(device)
-        self._positions = self._seqlens_dev[:, None].long() + torch.arange(
+        self.positions = self._seqlens_dev[:, None].long() + torch.arange(
             num_new_tokens, device=device)                                    # (B, T)
         self._seqlens_k = self._seqlens_dev + num_new_tokens                   # (B,)
         self._max_len = int(after.max())
@@ -128,7 +132,7 @@ class ContiguousCache:
     # -- attention -----------------------------------------------------------------------
     def attend(self, layer: int, q, k, v):
         """Write the step's k/v (B, T, Hk, D) at each row's next positions, then attend."""
-        rows, positions, L = self._rows_dev, self._positions, self._max_len
+        rows, positions, L = self._rows_dev, self.positions, self._max_len
         self.k_cache[layer][rows[:, None], positions] = k
         self.v_cache[layer][rows[:, None], positions] = v
         # index_select copies each row's first L slots as one piece; `k_cache[rows, :L]`

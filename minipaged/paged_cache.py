@@ -4,7 +4,7 @@ cache interface, attending through `flash_attn_with_kvcache` (`paged_attention.p
 The model calls the same three things it called on the contiguous cache:
 
     cache.prepare(seq_ids, num_new_tokens)   # blocks for the new tokens, in every layer
-    cache.cache_seqlens                       # (B,) int32: tokens stored before this step
+    cache.positions                           # (B, T): cache_seqlens[b] + t, the tokens' places
     cache.attend(layer, q, k, v)              # write k/v into the layer's blocks, attend
 
 so `generation.generate_static` runs on it unchanged: `generate_paged` below is stage 1's static
@@ -43,6 +43,7 @@ class PagedCache:
                                           seed=seed + layer)
                          for layer in range(args.n_layers)]
         self.cache_seqlens = None         # (B,) int32, tokens stored before this step
+        self.positions = None             # (B, T), the positions of this step's new tokens
         self.block_tables = None          # per layer, (B, max_blocks_used) int32
 
     def new_manager(self, *args, **kwargs) -> CacheManager:
@@ -77,6 +78,8 @@ class PagedCache:
     def set_step(self, seq_ids, num_new_tokens: int) -> None:
         """What every layer's `attend` reads this step: the lengths before it, the tables."""
         self.cache_seqlens = self.managers[0].seq_lens_for(seq_ids) - num_new_tokens    # (B,)
+        self.positions = self.cache_seqlens[:, None].long() + torch.arange(
+            num_new_tokens, device=self.cache_seqlens.device)                          # (B, T)
         self.block_tables = [m.block_table_for(seq_ids) for m in self.managers]
 
     def check_room(self, needed: int, longest: int) -> None:

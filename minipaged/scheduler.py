@@ -150,14 +150,20 @@ class Scheduler:
             need = self.blocks_for(req.num_tokens)             # its blocks + this step's token
             if not self._fits(need, committed):
                 break
-            self.swap.swap_in(req.seq_id)
-            self.swapped.popleft()
-            req.status = "running"
-            self.running.append(req)
-            out.swapped_in.append(req)
+            self._bring_back(out)
             out.decode.append(req)
             committed += need - held
         return committed
+
+    def _bring_back(self, out: ScheduledStep) -> Request:
+        """The oldest swapped request's blocks are copied back into the KV pool; it runs again."""
+        req = self.swapped[0]
+        self.swap.swap_in(req.seq_id)
+        self.swapped.popleft()
+        req.status = "running"
+        self.running.append(req)
+        out.swapped_in.append(req)
+        return req
 
     def _admit(self, out: ScheduledStep, committed: int) -> None:
         """3. Then new (or recomputed) requests, in order, while their prompts fit."""

@@ -178,26 +178,34 @@ class SharedPagedCache(PagedCache):
             m.fork(parent, child)
         self.hashes[int(child)] = list(self.hashes.get(int(parent), []))
 
-    def start(self, seq_id: int, tokens) -> int:
+    def prefix_hits(self, tokens) -> list[list[int]]:
+        """Per layer, the cached blocks that hold the longest known prefix of `tokens`, as many in
+        every layer (none without prefix caching). Never the block of the last token, whose
+        logits the caller needs: a prompt seen in full still recomputes its last block."""
+        if not self.prefix_caching:
+            return [[] for _ in self.managers]
+        n, bs = len(tokens), self.block_size
+        hashes = block_hashes(tokens[:(n - 1) // bs * bs], bs)
+        per_layer = [m.match_prefix(hashes) for m in self.managers]
+        found = min(len(h) for h in per_layer)
+        return [h[:found] for h in per_layer]
+
+    def start(self, seq_id: int, tokens, num_new_tokens: int | None = None) -> int:
         """Begin a sequence whose prompt is `tokens`, reusing the cached blocks of its longest
-        known prefix, and prepare the forward over the rest. Returns the tokens skipped: run
-        the model on tokens[skipped:]. A hit never covers the block of the last token, whose
-        logits the caller needs (a prompt seen in full still recomputes its last block)."""
-        s, n, bs = int(seq_id), len(tokens), self.block_size
-        hits = []
-        if self.prefix_caching:
-            hashes = block_hashes(tokens[:(n - 1) // bs * bs], bs)
-            per_layer = [m.match_prefix(hashes) for m in self.managers]
-            hits = per_layer[0][:min(len(h) for h in per_layer)]
-        if not hits:
+        known prefix, and prepare the forward over the `num_new_tokens` tokens after them (None:
+        all the rest). Returns the tokens skipped: run the model on tokens[skipped:]."""
+        s, bs = int(seq_id), self.block_size
+        hits = self.prefix_hits(tokens)
+        skipped = len(hits[0]) * bs
+        n = len(tokens) if num_new_tokens is None else skipped + num_new_tokens
+        if not skipped:
             self.prepare([s], n)
             return 0
         first = self.managers[0]
-        reviving = sum(first.refs[b] == 0 for b in hits)
-        self.check_room(first.blocks_for(n) - len(hits) + reviving, n)
-        for m, layer_hits in zip(self.managers, per_layer):
-            m.reserve(s, n, prefix_blocks=layer_hits[:len(hits)])
-        skipped = len(hits) * bs
+        reviving = sum(first.refs[b] == 0 for b in hits[0])
+        self.check_room(first.blocks_for(n) - len(hits[0]) + reviving, n)
+        for m, layer_hits in zip(self.managers, hits):
+            m.reserve(s, n, prefix_blocks=layer_hits)
         self.set_step([s], n - skipped)
         return skipped
 

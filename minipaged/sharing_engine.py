@@ -1,8 +1,8 @@
 """Stage 6: the engine on shared blocks — parallel samples forked after one prefill, and prefills
 that start after a prefix-cache hit.
 
-Stage 5's engine gives every request blocks of its own. This one runs on a SharedPagedCache
-(`sharing.py`):
+Stage 5's engine (with stage 5b's token budget) gives every request blocks of its own. This one
+runs on a SharedPagedCache (`sharing.py`):
 
   * `add_request(..., n=K)` asks for K samples of one prompt. The K requests wait and are
     admitted as one group; the first is prefilled, the other K-1 fork its blocks, and each draws
@@ -13,19 +13,25 @@ Stage 5's engine gives every request blocks of its own. This one runs on a Share
     seen before and runs the model only over the rest (`EngineStats.cached_tokens`); every block
     that fills, by prefill or decode, is named for later prompts.
 
+Under a token budget (`max_num_batched_tokens`) the prompt runs in chunks: an admitted request
+starts holding its cached prefix blocks, its first chunk starts after them, and its samples are
+forked after its last chunk.
+
 `minipaged.Engine` is this class: the engine with every stage's options.
 """
 
 from __future__ import annotations
 
-from .engine import Engine
+from .chunked_engine import ChunkedEngine
+from .chunked_prefill import ChunkedScheduler
 from .errors import RequestError
-from .scheduler import Request, Scheduler
+from .scheduler import Request
 from .sharing import SharedPagedCache
 
 
-class SharingScheduler(Scheduler):
-    """Stage 5's scheduler, admitting a request together with its parallel samples."""
+class SharingScheduler(ChunkedScheduler):
+    """Stage 5b's scheduler, admitting a request together with its parallel samples, and under a
+    budget starting it after the prompt's blocks the prefix cache holds."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -34,9 +40,17 @@ class SharingScheduler(Scheduler):
     def group(self, req: Request) -> list[Request]:
         return [req] + self.siblings.get(req.req_id, [])
 
+    def cached_prefix(self, req: Request) -> int:
+        return len(self.cache.prefix_hits(req.prompt + req.output)[0]) * self.block_size
 
-class SharingEngine(Engine):
-    """Stage 5's engine on shared blocks. `prefix_caching` is off unless asked for."""
+    def _begin(self, req: Request) -> int:
+        """The sequence starts with its cached prefix blocks (shared, not computed); its first
+        chunk comes after them."""
+        return self.cache.start(req.seq_id, req.prompt + req.output, 0)
+
+
+class SharingEngine(ChunkedEngine):
+    """Stage 5b's engine on shared blocks. `prefix_caching` is off unless asked for."""
 
     def __init__(self, model, num_blocks: int | None = None, block_size: int = 16,
                  preemption: str = "recompute", *, prefix_caching: bool = False, **options):
@@ -47,7 +61,7 @@ class SharingEngine(Engine):
         return SharedPagedCache(*args, prefix_caching=self.prefix_caching, **kwargs)
 
     def new_scheduler(self, *args) -> SharingScheduler:
-        return SharingScheduler(*args)
+        return SharingScheduler(*args, max_num_batched_tokens=self.max_num_batched_tokens)
 
     def add_request(self, prompt, max_new_tokens: int, temperature: float = 0.0,
                     top_p: float = 1.0, generator=None, stop_tokens=None,
@@ -93,6 +107,9 @@ class SharingEngine(Engine):
         return list(zip(group, self._sample(group, logits.expand(len(group), -1))))
 
     def _after_model(self, plan) -> None:
-        if self.prefix_caching:                    # name the blocks the decodes filled
+        if self.prefix_caching:                    # name the blocks this step filled
             for r in plan.decode:
                 self.cache.name_blocks(r.seq_id, r.prompt, r.output)
+            for r in plan.prefill:                 # a chunk: only what the cache holds so far
+                held = self.scheduler.num_computed_tokens(r)
+                self.cache.name_blocks(r.seq_id, (r.prompt + r.output)[:held])

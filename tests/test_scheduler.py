@@ -80,6 +80,9 @@ def test_seeded_sampling_survives_preemption():
     paged = generate(model, prompts, limits, cache="paged", block_size=16, num_blocks=5, **kw)
     assert paged == together
     assert together != alone                           # sampling, not greedy
+    for preemption in ("recompute", "swap"):           # stage 5b: prompts in chunks of <= 5
+        assert generate(model, prompts, limits, cache="paged", block_size=16, num_blocks=5,
+                        preemption=preemption, max_num_batched_tokens=5, **kw) == together
 
 
 def test_generate_with_a_small_pool_admits_and_preempts_instead_of_failing():

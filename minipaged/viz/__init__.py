@@ -28,6 +28,12 @@ swapped), `plot_pool_over_time` (blocks per request, stacked, preemptions marked
 `Engine(record=True).history`; `plot_preemption_costs` (recompute vs swap); `plot_bench` and
 `plot_throughput_vs_budget` (`python -m minipaged.benchmarks.serving`).
 
+Stage 5b (chunked prefill): `plot_token_budget` (each step a bar of the tokens it ran, split per
+request — decodes solid, prompt tokens hatched — with the budget as a line),
+`plot_token_latency` (the tokens a running request waits between two of its tokens, and the
+steps a trace took); `token_gaps`, `time_to_first_token` and `step_tokens` count them, all from
+an `Engine(record=True).history`.
+
 Stage 6 (sharing): `plot_shared_blocks` (tables pointing at shared blocks, counts written in
 the pool), `plot_copy_on_write` (before and after a write into a shared block),
 `plot_hash_chain` (a prompt's blocks and their chained hashes), `plot_sharing_savings`; all
@@ -50,6 +56,8 @@ from .waste_plots import (KIND_COLORS, plot_block_size_sweep, plot_concurrency,
                             rich_policy_table)
 from .timeline import (BENCH_COLORS, STATE_COLORS, _runs, plot_bench, plot_pool_over_time,
                          plot_preemption_costs, plot_throughput_vs_budget, plot_timeline)
+from .token_budget import (CHUNK_HATCH, plot_token_budget, plot_token_latency, step_tokens,
+                           time_to_first_token, token_gaps)
 from .shared_blocks import (CACHED_COLOR, SHARED_COLOR, plot_copy_on_write, plot_hash_chain,
                       plot_shared_blocks, plot_sharing_savings, sharing_snapshot)
 from .beam_tree import PRUNED_COLOR, plot_beam_blocks, plot_beam_savings, plot_beam_tree
