@@ -22,6 +22,7 @@ from .kv_budget import pool_blocks
 from .sharing_engine import SharingEngine
 
 Engine = SharingEngine      # the engine with every stage's options
+__all__ = ["Engine", "PAGED_OPTIONS", "beam_search", "generate"]
 PAGED_OPTIONS = ("block_size", "num_blocks", "kv_budget", "preemption", "num_cpu_blocks",
                  "watermark", "backend", "max_num_seqs", "prefix_caching",
                  "max_num_batched_tokens")
