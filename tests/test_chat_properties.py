@@ -3,41 +3,24 @@ context, /reset, and pools small enough to run dry. After every step the history
 the cache holds and the blocks the conversation holds agree, and /stats says so; a refused
 message changes none of them.
 
-The model is a fake with no weights (as in test_scheduler_properties.py): it writes each
-token's id into the cache as its key, so the test reads the pool back and compares it with the
-history token for token. The tokenizer and chat format are the embedded model's own.
+The model is a fake with no weights (conftest.FakeModel): it writes each token's id into the
+cache as its key, so the test reads the pool back and compares it with the history token for
+token. The tokenizer and chat format are the embedded model's own.
 """
 
 import pytest
 import torch
+from conftest import FakeModel
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from minipaged import ModelArgs, load_tokenizer
+from minipaged import load_tokenizer
 from minipaged.chat.app import make_chat_cache, stats_rows
 from minipaged.chat.conversation import Conversation
 from minipaged.errors import MiniPagedError, OutOfBlocksError, RequestError
 from minipaged.kv_budget import bytes_per_block
 
 WORDS = ["block", "table", "what", "is", "a", "KV", "cache", "paged", "attention", "?"]
-
-
-class FakeModel(torch.nn.Module):
-    """Llama's call and cache traffic with random next tokens: key = the token's id."""
-
-    def __init__(self, vocab: int, max_seq_len: int, seed: int):
-        super().__init__()
-        self.args = ModelArgs(dim=2, n_layers=2, n_heads=1, n_kv_heads=1, vocab_size=vocab,
-                              multiple_of=1, max_seq_len=max_seq_len)
-        self.anchor = torch.nn.Parameter(torch.zeros(1))      # the chat reads device, dtype
-        self.rng = torch.Generator().manual_seed(seed)
-
-    def forward(self, tokens, cache=None, last_only=False):
-        B, T = tokens.shape
-        ids = tokens.float()[:, :, None, None].expand(B, T, 1, 2)        # (B, T, Hk=1, D=2)
-        for layer in range(self.args.n_layers):
-            cache.attend(layer, torch.zeros_like(ids), ids.clone(), ids - layer)
-        return torch.randn(B, 1 if last_only else T, self.args.vocab_size, generator=self.rng)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +92,7 @@ step = st.one_of(st.tuples(st.just("say"), words, st.integers(0, 9)), st.tuples(
 def test_history_cache_and_blocks_agree_after_every_step(tokenizer, kind, block_size, context,
                                                          pool_blocks, max_new_tokens, system,
                                                          steps, seed):
-    model = FakeModel(tokenizer.n_words, context, seed)
+    model = FakeModel(seed, tokenizer.n_words, max_seq_len=context)
     budget = pool_blocks * bytes_per_block(block_size, 1, 2, torch.float32, n_layers=2)
     cache = make_chat_cache(model, kind, block_size, kv_budget=budget)
     try:
@@ -145,14 +128,14 @@ def test_history_cache_and_blocks_agree_after_every_step(tokenizer, kind, block_
 
 def test_a_pool_larger_than_one_context_is_not_allocated(tokenizer):
     """The chat sizes its pool to what a conversation can fill, whatever --kv-budget says."""
-    model = FakeModel(tokenizer.n_words, 128, 0)
+    model = FakeModel(0, tokenizer.n_words, max_seq_len=128)
     default = make_chat_cache(model, "paged", 16)
     huge = make_chat_cache(model, "paged", 16, kv_budget=100 << 30)      # 100 GiB asked
     assert default.num_blocks == huge.num_blocks == 128 // 16
 
 
 def test_settings_without_room_for_a_message_say_which_one(tokenizer):
-    model = FakeModel(tokenizer.n_words, 100, 0)
+    model = FakeModel(0, tokenizer.n_words, max_seq_len=100)
     cache = make_chat_cache(model, "paged", 16)
     with pytest.raises(MiniPagedError, match="--max-new-tokens.*context of 100"):
         Conversation(model, tokenizer, cache, max_new_tokens=100)
