@@ -71,6 +71,14 @@ CASES = {   # module: {argv: what the error line names (None: answered)}
         ("--random-model", "--threads", "0"): ["--threads"],
         ("--model", "/nonexistent/model"): ["/nonexistent/model"],
     },
+    "beam_savings": {
+        ("--random-model", "--requests", "0"): ["--requests"],
+        ("--random-model", "--scale", "0"): ["--scale"],
+        ("--random-model", "--widths", "0"): ["--widths"],
+        ("--random-model", "--block-size", "0"): ["--block-size"],
+        ("--random-model", "--threads", "0"): ["--threads"],
+        ("--model", "/nonexistent/model"): ["/nonexistent/model"],
+    },
     "smollm2": {
         ("--new-tokens", "0"): ["--new-tokens"],
         ("--repeats", "0"): ["--repeats"],

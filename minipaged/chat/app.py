@@ -33,7 +33,7 @@ from .. import cli
 from ..errors import MiniPagedError, OutOfBlocksError
 from ..formats import load_model, load_tokenizer
 from ..fragmentation import measure_contiguous, measure_paged
-from ..kv_budget import pool_blocks
+from ..kv_budget import bytes_per_block, pool_blocks
 from ..kv_cache import ContiguousCache
 from ..sharing import SharedPagedCache
 from ..viz.terminal import blocks_view, stats_table, status_line
@@ -57,9 +57,12 @@ def make_chat_cache(model, kind="paged", block_size=16, kv_budget=None, max_seqs
     context = min(a.max_seq_len, CHAT_CONTEXT)
     if kind == "contiguous":
         return ContiguousCache(a, max_seqs, context, device=p.device, dtype=p.dtype)
-    num_blocks = pool_blocks(a, p.dtype, block_size, lengths=[context] * max_seqs)
-    if kv_budget is not None:
-        num_blocks = min(num_blocks, pool_blocks(a, p.dtype, block_size, kv_budget=kv_budget))
+    if kv_budget is not None:      # past what the conversations can fill, a budget is not used
+        full = pool_blocks(a, p.dtype, block_size, lengths=[context] * max_seqs)
+        kv_budget = min(kv_budget, full * bytes_per_block(block_size, a.n_kv_heads, a.head_dim,
+                                                          p.dtype, a.n_layers))
+    num_blocks = pool_blocks(a, p.dtype, block_size, kv_budget=kv_budget,
+                             lengths=[context] * max_seqs)
     return SharedPagedCache(a, num_blocks, block_size, max_seqs, context, device=p.device,
                             dtype=p.dtype, prefix_caching=True)
 
