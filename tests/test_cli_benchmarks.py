@@ -79,6 +79,15 @@ CASES = {   # module: {argv: what the error line names (None: answered)}
         ("--random-model", "--threads", "0"): ["--threads"],
         ("--model", "/nonexistent/model"): ["/nonexistent/model"],
     },
+    "chunked_latency": {
+        ("--random-model", "--chats", "0"): ["--chats"],
+        ("--random-model", "--budgets", "0"): ["--budgets"],
+        ("--random-model", "--repeats", "0"): ["--repeats"],
+        ("--random-model", "--long-every", "-1"): ["--long-every"],
+        ("--random-model", "--block-size", "0"): ["--block-size"],
+        ("--random-model", "--long-prompt", "5000"): ["positions"],
+        ("--model", "/nonexistent/model"): ["/nonexistent/model"],
+    },
     "smollm2": {
         ("--new-tokens", "0"): ["--new-tokens"],
         ("--repeats", "0"): ["--repeats"],
