@@ -47,7 +47,8 @@ def program(main):
     """Wrap a program's `main(argv=None)` so that it returns the exit status: main's own (0 if
     it returns None), 2 after a minipaged error (its sentence printed on one line as
     `error: ...`, no traceback), 130 after Ctrl-C, 141 when whoever read the output went away
-    (`... | head`). The wrapped `main` is also what the console scripts call."""
+    (`... | head`; output printed through rich's Console stops there with rich's own status 1,
+    as quietly). The wrapped `main` is also what the console scripts call."""
     @functools.wraps(main)
     def wrapped(argv=None) -> int:
         return _run(main, argv)
