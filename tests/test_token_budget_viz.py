@@ -2,7 +2,6 @@
 and small runs."""
 
 import matplotlib
-import pytest
 import torch
 from conftest import tiny_model
 
