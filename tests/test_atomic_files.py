@@ -20,6 +20,7 @@ import sys, time
 from pathlib import Path
 from minipaged.formats.atomic import write_file
 def slow(tmp):
+    (Path(tmp).parent / ".tmpAbC123").write_bytes(b"a library's own temporary")  # (safetensors)
     Path(tmp).write_bytes(b"half of it")
     print("writing", flush=True)
     time.sleep(600)
@@ -72,6 +73,8 @@ def test_a_folder_is_replaced_whole_or_not_at_all(tmp_path):
 
 
 def test_a_killed_writers_temporary_is_removed_a_live_ones_kept(tmp_path):
+    """What a killed writer leaves — its temporary, and what its libraries put beside it — is
+    one folder named by its pid, removed by the next writer or reader there."""
     target = tmp_path / "weights.safetensors"
     killed_writer(target)
     orphan = hidden(tmp_path)

@@ -1,7 +1,7 @@
 """Writing files and folders all at once or not at all.
 
-A file (the GGUF cache's weights) or a folder (a trained checkpoint) is first written under a
-temporary name beside its target, then renamed onto it: a reader sees the old version or the
+A file (the GGUF cache's weights) or a folder (a trained checkpoint) is first written in a
+temporary folder beside its target, then renamed onto it: a reader sees the old version or the
 new one, never half of one. A failure or Ctrl-C removes the temporary; a kill (SIGKILL, a power
 cut) cannot, so temporaries carry their writer's process id, and `remove_orphans` clears those
 whose writer is gone the next time anything is written or read there.
@@ -63,17 +63,18 @@ def remove_orphans(folder: Path) -> list[str]:
 
 
 def write_file(path: Path, write) -> None:
-    """Call `write(temporary path)`, then rename the temporary onto `path`."""
+    """Call `write(temporary path)`, then rename the temporary onto `path`. The temporary sits
+    alone in a folder of this process's own, so whatever `write` leaves beside it (safetensors,
+    for one, writes through a temporary file of its own) goes when the folder goes."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temporary_prefix(path))
-    os.close(fd)
+    folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=_temporary_prefix(path)))
+    tmp = folder / path.name
     try:
         write(tmp)
         _usual_mode(path, tmp, 0o666)
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextmanager
