@@ -116,7 +116,7 @@ def number(above: float | None = None, at_least: float | None = None,
     return parse
 
 
-seed = whole(0, 2**63 - 1)          # what torch.Generator.manual_seed takes without overflowing
+seed = whole(0, 2**63 - 1)          # a non-negative 64-bit seed, as torch and numpy take
 
 UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3,
          "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3}
