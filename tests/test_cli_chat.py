@@ -5,7 +5,7 @@ input survives bytes that are not UTF-8 and lines that cannot be answered; Ctrl-
 import re
 
 import pytest
-from cli_probes import answered, digest, interrupt, no_traceback, refused, run_many
+from cli_probes import answered, digest, interrupt, refused, run_many
 
 from minipaged.formats import DEFAULT_MODEL_DIR
 
