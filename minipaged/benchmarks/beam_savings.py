@@ -98,7 +98,7 @@ def table(beams, par, caption) -> Table:
 @cli.program
 def main(argv=None):
     p = cli.ArgumentParser(prog="python -m minipaged.benchmarks.beam_savings",
-                           description=__doc__.splitlines()[0])
+                           description=" ".join(__doc__.split("\n\n")[0].split()))
     add_model_options(p)
     p.add_argument("--requests", type=cli.whole(1), default=12, help="prompts of the trace")
     p.add_argument("--scale", type=cli.number(above=0), default=4.0,

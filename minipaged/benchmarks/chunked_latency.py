@@ -127,7 +127,7 @@ def results_table(servers: list[list[Run]], title: str):
 @cli.program
 def main(argv=None):
     p = cli.ArgumentParser(prog="python -m minipaged.benchmarks.chunked_latency",
-                           description=__doc__.splitlines()[0])
+                           description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", help="a Llama 3 checkpoint folder (default: the embedded model)")
     p.add_argument("--random-model", action="store_true",
                    help="the embedded model's shape with random weights")
