@@ -1,8 +1,25 @@
-"""minipaged: PagedAttention, the KV-cache paging at the heart of vLLM, built up step by step."""
+"""minipaged: PagedAttention, the KV-cache paging at the heart of vLLM, built up step by step.
 
-from .errors import (CheckpointError, MiniPagedError, OutOfBlocksError, RequestError,
-                     TokenizerError)
+Read the stages in order, each module beside its lesson (`lessons/`) and notebook
+(`notebooks/`):
+
+    1   model.py, kv_cache.py, generation.py      a naive Llama 3, a contiguous cache reserved up front
+    2   cache_manager.py, kv_budget.py             blocks, a random free set, a block table per layer
+    3   paged_attention.py, paged_cache.py         flash_attn_with_kvcache over scattered blocks
+    3b  online_softmax.py, triton_attention.py     inside the kernel: the block walk, in PyTorch and Triton
+    4   fragmentation.py, workloads.py, simulator.py   where the KV memory goes, measured
+    5   scheduler.py, swap.py, engine.py           continuous batching, preemption by recompute or swap
+    5b  chunked_prefill.py, chunked_engine.py      a token budget per step, prompts in chunks
+    6   prefix_cache.py, sharing.py, sharing_engine.py   reference counts, copy-on-write, prefix caching
+    6b  beams.py                                   beam search: beams fork and free shared blocks
+
+Around them: `formats/` (checkpoints and tokenizers), `embedded/` (the shipped model's corpus and
+trainer), `chat/` (`python -m minipaged.chat`), `viz/` (the drawings), `benchmarks/`.
+"""
+
+from . import triton_attention  # registers backend="triton" with flash_attn_with_kvcache
+from .api import Engine, beam_search, generate
+from .errors import (CheckpointError, MiniPagedError, NotEnoughMemoryError, OutOfBlocksError,
+                     RequestError, TokenizerError, TraceError, UsageError)
+from .formats import ChatFormat, Tokenizer, load_model, load_tokenizer, save_model
 from .model import Llama, ModelArgs
-from .checkpoint import load_model, save_model
-from .generate import generate
-from .tokenizer import ChatFormat, Tokenizer, load_tokenizer

@@ -1,23 +1,18 @@
 """Stage 2: the block allocator behind PagedAttention — one CacheManager per layer.
 
-A layer's KV memory is a pool of `num_blocks` physical blocks of `block_size` token slots each.
-A sequence owns a list of blocks, its block table: logical block j (tokens j*block_size ...
-(j+1)*block_size - 1) lives in physical block block_table[j], anywhere in the pool. Blocks are
-taken from a random free set when a sequence first needs them and all go back when it ends, so
-the only memory a sequence wastes is the unfilled tail of its last block.
+Stage 1 reserved `max_seq_len` slots per sequence up front. Here a layer's KV memory is a pool
+of `num_blocks` physical blocks of `block_size` token slots each, and a sequence owns a list of
+blocks, its block table: logical block j (tokens j*block_size ... (j+1)*block_size - 1) lives in
+physical block block_table[j], anywhere in the pool. Blocks are taken from a random free set
+when a sequence first needs them and all go back when it ends, so the only memory a sequence
+wastes is the unfilled tail of its last block.
 
-Stage 6 lets sequences share blocks. Every block has a reference count: the number of block
-tables that hold it. `fork` gives a child its parent's table (every count +1); `free` takes 1
-off, and a block is free again only at zero. Before a token is written into a block whose count
-is above one, the writer gets a private copy (copy-on-write), so nobody else sees the write.
-With `prefix_caching=True`, full blocks are named by a chained hash of their tokens
-(`prefix_cache.py`); a named block whose count reaches zero keeps its K/V in a cached-free
-queue, where a later prompt that starts with the same tokens finds it and skips its prefill.
-
-Bookkeeping lives on the CPU in preallocated int32 tensors (`block_table`, `seq_lens`). They are
-read and written through numpy views of the same memory, as vLLM v1's BlockTable does: a numpy
-call on a 64-element array costs about a microsecond, a torch call several, and this code runs
-for every layer on every decode step.
+The allocator handles integers only: the K/V tensors of the pool sit beside it
+(`k_cache_paged`, `v_cache_paged`) and are read by stage 3's attention. Bookkeeping lives on the
+CPU in preallocated int32 tensors (`block_table`, `seq_lens`, `num_blocks_held`), read and
+written through numpy views of the same memory, as vLLM v1's BlockTable does: a numpy call on a
+64-element array costs about a microsecond, a torch call several, and this code runs for every
+layer on every decode step.
 """
 
 from __future__ import annotations
@@ -28,18 +23,16 @@ import numpy as np
 import torch
 
 from .errors import OutOfBlocksError, RequestError
-from .prefix_cache import PrefixCache
+from .kv_cache import check_memory, check_sizes, kv_bytes_per_token
 
 PAD_BLOCK = -1   # what block tables hold past a sequence's last block: "no block here"
 
-
-# -- the free-block set ----------------------------------------------------------------------
 
 class FreeBlockSet:
     """Free physical block ids; `take` removes random ones in O(1) each, reproducibly for a seed.
 
     A list plus swap-with-last removal: pick a random index, move the last id into its place,
-    pop. The seed code's `random.choice(list(free_blocks))` copied the whole set on every pick.
+    pop. `random.choice(list(free))` would copy the whole set on every pick.
     """
 
     def __init__(self, num_blocks: int, seed: int = 0):
@@ -65,24 +58,22 @@ class FreeBlockSet:
         return sorted(self._ids)
 
 
-# -- the cache manager -------------------------------------------------------------------------
-
 class CacheManager:
     """One layer's paged KV cache: the physical pool, its free blocks, a block table per sequence.
 
     Sequence ids are rows of the tables, 0 <= seq_id < max_seqs. Every method that allocates
     either succeeds completely or raises before changing anything (tables, lengths, free set,
-    even the random generator's state). `refs[b]` counts the tables holding block b.
+    even the random generator's state).
     """
 
     def __init__(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  max_seqs: int, max_blocks_per_seq: int, device="cpu", dtype=torch.float32,
-                 seed: int = 0, prefix_caching: bool = False):
-        for name, value in [("num_blocks", num_blocks), ("block_size", block_size),
-                            ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
-                            ("max_seqs", max_seqs), ("max_blocks_per_seq", max_blocks_per_seq)]:
-            if int(value) != value or value < 1:
-                raise RequestError(f"{name} must be a positive integer, got {value!r}")
+                 seed: int = 0):
+        check_memory(self.pool_bytes(num_blocks, block_size, n_kv_heads, head_dim, max_seqs,
+                                     max_blocks_per_seq, dtype), device,
+                     f"a pool of {num_blocks:,} blocks of {block_size:,} tokens",
+                     block_size * kv_bytes_per_token(n_kv_heads, head_dim, dtype),
+                     f"blocks of {block_size:,} tokens")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_seqs, self.max_blocks_per_seq = max_seqs, max_blocks_per_seq
         self.device = torch.device(device)
@@ -99,22 +90,25 @@ class CacheManager:
         self._lens = self.seq_lens.numpy()                           # (max_seqs,)
         self._held = self.num_blocks_held.numpy()                    # (max_seqs,)
         self._live: set[int] = set()                                 # seq ids that exist now
-        self.refs = np.zeros(num_blocks, dtype=np.int32)             # (N,) tables holding each
-        self.prefix = PrefixCache() if prefix_caching else None      # None: prefix caching off
+
+    @staticmethod
+    def pool_bytes(num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
+                   max_seqs: int, max_blocks_per_seq: int, dtype=torch.float32) -> int:
+        """Bytes one layer's pool is about to take: its K and V blocks and its block table.
+        RequestError first if a size is not a positive integer."""
+        check_sizes(num_blocks=num_blocks, block_size=block_size, n_kv_heads=n_kv_heads,
+                    head_dim=head_dim, max_seqs=max_seqs, max_blocks_per_seq=max_blocks_per_seq)
+        return num_blocks * block_size * kv_bytes_per_token(n_kv_heads, head_dim, dtype) + \
+            max_seqs * max_blocks_per_seq * 4                    # int32 block table
 
     # -- counts -------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        """Blocks a sequence can take: really free ones plus cached-free ones (evictable)."""
-        return len(self.free_blocks) + self.num_cached_free_blocks
+        return len(self.free_blocks)
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return len(self.prefix) if self.prefix is not None else 0
 
     def __contains__(self, seq_id) -> bool:
         """`seq_id in cm`: does that sequence hold blocks here?"""
@@ -128,46 +122,22 @@ class CacheManager:
         s = self._one(seq_id)
         return self._table[s, : self._held[s]].tolist()
 
-    # -- allocation -----------------------------------------------------------------------------
-    def reserve(self, seq_id: int, num_tokens: int, prefix_blocks=()) -> list[int]:
-        """Start sequence `seq_id` with blocks for `num_tokens` tokens (a prompt); return them.
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that `num_tokens` tokens fill: ceil(num_tokens / block_size)."""
+        return -(-num_tokens // self.block_size)
 
-        `prefix_blocks` (from `match_prefix`) become its first blocks, shared, not taken: their
-        tokens are already in the cache, so only the rest of the prompt needs a prefill.
-        """
-        s = int(seq_id)
-        if not 0 <= s < self.max_seqs:
-            raise RequestError(f"sequence id {seq_id} is outside [0, {self.max_seqs})")
-        if s in self._live:
-            raise RequestError(f"sequence {s} already holds blocks; free it before reusing its id")
+    # -- allocation -----------------------------------------------------------------------------
+    def reserve(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Start sequence `seq_id` with blocks for `num_tokens` tokens (a prompt); return them."""
+        s = self._new(seq_id)
         n = self._count(num_tokens)
-        k = -(-n // self.block_size)                                 # ceil(n / block_size)
-        shared = [int(b) for b in prefix_blocks]
-        if len(shared) > k or (shared and self.prefix is None):
-            raise RequestError(f"{len(shared)} prefix blocks cannot start a sequence of {n} "
-                               f"tokens ({k} blocks), nor without prefix caching")
-        reviving = [b for b in shared if self.refs[b] == 0]          # cached-free hits
-        self._check_room([s], [k], k - len(shared), reserved=len(reviving))
-        for b in reviving:
-            self.prefix.revive(b)
-        blocks = shared + self._take(k - len(shared))
+        k = self.blocks_for(n)
+        self._check_room([s], [k], k)
+        blocks = self._take(k)
         self._table[s, :k] = blocks
-        self.refs[blocks] += 1
         self._held[s], self._lens[s] = k, n
         self._live.add(s)
         return blocks
-
-    def fork(self, parent: int, child: int) -> None:
-        """`child` starts as a copy of `parent`'s table: every block shared, count +1, no copy."""
-        p, c = self._one(parent), int(child)
-        if not 0 <= c < self.max_seqs or c in self._live:
-            raise RequestError(f"cannot fork into sequence {child}: it must be a free id in "
-                               f"[0, {self.max_seqs})")
-        k = int(self._held[p])
-        self._table[c, :k] = self._table[p, :k]
-        self.refs[self._table[p, :k]] += 1
-        self._held[c], self._lens[c] = k, self._lens[p]
-        self._live.add(c)
 
     def grow(self, seq_ids, num_new_tokens: int) -> int:
         """Each listed sequence gains `num_new_tokens` tokens: all do, or none if blocks run out.
@@ -178,88 +148,54 @@ class CacheManager:
         """
         rows = self._rows(seq_ids, unique=True)                      # (B,)
         n = self._count(num_new_tokens)
-        cow, seqs, start, end, total = self._plan_growth(rows, n)
-        if cow or seqs:
-            self._check_room(seqs or [int(rows[0])], end or [0], total)
-        if cow:
-            self._copy_on_write(cow)
-        if seqs:                              # from here on, Python over the C crossing rows
-            blocks = iter(self._take(total - len(cow)))
-            for s, h, e in zip(seqs, start, end):
-                for j in range(h, e):                                # logical block j of s
-                    b = next(blocks)
-                    self._table[s, j] = b
-                    self.refs[b] = 1
-                self._held[s] = e
+        seqs, held, needed = self._crossing(rows, n)
+        total = sum(needed) - sum(held)
+        if seqs:
+            self._check_room(seqs, needed, total)
+            self._add_blocks(seqs, held, needed)
         self._lens[rows] += n
         return total
 
     def blocks_needed(self, seq_ids, num_new_tokens: int) -> int:
-        """New blocks `grow(seq_ids, num_new_tokens)` would take, copies-on-write included."""
-        return self._plan_growth(self._rows(seq_ids, unique=True), self._count(num_new_tokens))[4]
+        """New blocks `grow(seq_ids, num_new_tokens)` would take."""
+        _, held, needed = self._crossing(self._rows(seq_ids, unique=True),
+                                         self._count(num_new_tokens))
+        return sum(needed) - sum(held)
 
-    def _plan_growth(self, rows, n):
-        """Which rows write into a shared partial block (copy-on-write: (row, block) pairs), and
-        which cross into new blocks (their ids, blocks held, blocks needed); the total."""
+    def _crossing(self, rows, n):
+        """The rows whose last block cannot hold n more tokens: their ids, the blocks each holds
+        now, the blocks each needs after the step (three lists)."""
         new_lens = self._lens[rows] + n                              # (B,)
         held = self._held[rows]                                      # (B,)
-        cow = []
-        if n and self.refs.max(initial=0) > 1:    # only a shared partial last block is written
-            last = self._table[rows, np.maximum(held - 1, 0)]        # (B,)
-            partial = (self._lens[rows] % self.block_size != 0) & (self.refs[last] > 1)
-            left = {}                             # tables still holding each block, as we go
-            for r, b in zip(rows[partial].tolist(), last[partial].tolist()):
-                left[b] = left.get(b, int(self.refs[b]))
-                if left[b] > 1:                   # someone else still reads it: copy
-                    cow.append((r, b))
-                    left[b] -= 1                  # the last writer keeps the original
-        crossing = (new_lens > held * self.block_size).nonzero()[0]  # (C,) rows needing blocks
-        seqs = rows[crossing].tolist()
-        start = held[crossing].tolist()                              # blocks they hold now
-        end = [-(-length // self.block_size) for length in new_lens[crossing].tolist()]
-        return cow, seqs, start, end, sum(end) - sum(start) + len(cow)
+        crossing = (new_lens > held * self.block_size).nonzero()[0]  # (C,)
+        needed = [self.blocks_for(length) for length in new_lens[crossing].tolist()]
+        return rows[crossing].tolist(), held[crossing].tolist(), needed
 
-    def _copy_on_write(self, cow) -> None:
-        """Give each (row, block) its own copy of the block's K/V before it writes there."""
-        fresh = self._take(len(cow))
-        for (s, old), new in zip(cow, fresh):
-            self.k_cache_paged[new] = self.k_cache_paged[old]       # (bs, Hk, D)
-            self.v_cache_paged[new] = self.v_cache_paged[old]
-            self._table[s, int(self._held[s]) - 1] = new
-            self.refs[old] -= 1                   # still >= 1: another table holds it
-            self.refs[new] = 1
+    def _add_blocks(self, seqs, held, needed) -> None:
+        """Give each crossing row the blocks it lacks, at the end of its table."""
+        blocks = iter(self._take(sum(needed) - sum(held)))
+        for s, h, e in zip(seqs, held, needed):     # Python only over the crossing rows
+            for j in range(h, e):                   # logical block j of sequence s
+                self._table[s, j] = next(blocks)
+            self._held[s] = e
 
     def free(self, seq_id: int) -> list[int]:
-        """End a sequence: each of its blocks loses one reference; those at zero go back to
-        the free set, or, if named by a hash, to the cached-free queue. Returns its blocks."""
+        """End a sequence: every one of its blocks goes back to the free set. Returns them."""
         s = self._one(seq_id)
         blocks = self._table[s, : self._held[s]].tolist()
-        for b in blocks:
-            self.refs[b] -= 1
-            if self.refs[b] == 0 and not (self.prefix is not None and self.prefix.release(b)):
-                self.free_blocks.put([b])
+        self._release(blocks)
         self._table[s, : self._held[s]] = PAD_BLOCK
         self._held[s], self._lens[s] = 0, 0
         self._live.discard(s)
         return blocks
 
     def _take(self, k: int) -> list[int]:
-        """k blocks to write into: really free ones first, then the least recently freed cached
-        blocks (evicted: their hashes are forgotten). The caller checked that k fit."""
-        fresh = self.free_blocks.take(min(k, len(self.free_blocks)))
-        return fresh + (self.prefix.evict(k - len(fresh)) if k > len(fresh) else [])
+        """k blocks to write into (the caller checked that k fit)."""
+        return self.free_blocks.take(k)
 
-    # -- prefix caching -------------------------------------------------------------------------
-    def match_prefix(self, hashes) -> list[int]:
-        """Blocks already holding the leading full blocks named by `hashes` (none: caching off)."""
-        return self.prefix.match(hashes) if self.prefix is not None else []
-
-    def name_block(self, seq_id: int, j: int, h: bytes) -> None:
-        """Logical block j of a sequence is full: name its physical block `h` for later hits."""
-        s = self._one(seq_id)
-        full = (j + 1) * self.block_size <= self._lens[s]
-        if self.prefix is not None and j < self._held[s] and full:
-            self.prefix.name(int(self._table[s, j]), h)
+    def _release(self, blocks) -> None:
+        """Blocks a sequence no longer holds."""
+        self.free_blocks.put(blocks)
 
     # -- what attention reads ---------------------------------------------------------------------
     def block_table_for(self, seq_ids) -> torch.Tensor:
@@ -316,23 +252,33 @@ class CacheManager:
                                f"(or it has already been freed)")
         return s
 
+    def _new(self, seq_id) -> int:
+        """A sequence id that may start now: inside the table and holding nothing."""
+        s = int(seq_id)
+        if not 0 <= s < self.max_seqs:
+            raise RequestError(f"sequence id {seq_id} is outside [0, {self.max_seqs})")
+        if s in self._live:
+            raise RequestError(f"sequence {s} already holds blocks; free it before reusing its id")
+        return s
+
     @staticmethod
     def _count(num_tokens) -> int:
         if int(num_tokens) != num_tokens or num_tokens < 0:
             raise RequestError(f"a token count must be a non-negative integer, got {num_tokens!r}")
         return int(num_tokens)
 
-    def _check_room(self, seqs, blocks_after, total: int, reserved: int = 0) -> None:
-        """Raise, before anything changes, if a table row or the free set is too small
-        (`reserved`: free-looking blocks that this very call is about to take as prefix hits)."""
+    def _check_room(self, seqs, blocks_after, total: int, unavailable: int = 0) -> None:
+        """Raise, before anything changes, if a table row or the free blocks are too few
+        (`unavailable`: free blocks that this very call will not take from the free set)."""
         if max(blocks_after) > self.max_blocks_per_seq:
             too_long = [s for s, k in zip(seqs, blocks_after) if k > self.max_blocks_per_seq]
             raise RequestError(
                 f"sequence(s) {too_long} would need more than max_blocks_per_seq="
                 f"{self.max_blocks_per_seq} blocks ({self.max_blocks_per_seq * self.block_size} "
                 f"tokens); end them sooner or build the CacheManager with a longer table")
-        if total > self.num_free_blocks - reserved:
+        free = self.num_free_blocks - unavailable
+        if total > free:
             raise OutOfBlocksError(
-                f"out of KV blocks: this step needs {total} new block(s) but only "
-                f"{self.num_free_blocks - reserved} of {self.num_blocks} are free; finish or "
-                f"preempt a sequence, or size the pool from a larger KV budget. Nothing was allocated.")
+                f"out of KV blocks: this step needs {total} new block(s) but only {free} of "
+                f"{self.num_blocks} are free; finish or preempt a sequence, or size the pool "
+                f"from a larger KV budget. Nothing was allocated.")

@@ -12,10 +12,9 @@ finished requests back to the scheduler, which frees their blocks at once — so
 can admit someone new in their place. That is continuous (iteration-level) batching: the batch
 changes every step, instead of waiting for its slowest member.
 
-Stage 6: `add_request(..., n=K)` asks for K samples of one prompt: one prefill, then K-1 forks
-sharing its blocks, each sample drawing its first token from the same logits with its own
-generator. With `prefix_caching=True`, a prefill starts from the cached blocks of the longest
-prefix seen before and runs the model only over the rest (`EngineStats.cached_tokens`).
+`minipaged.generate(..., cache="paged")` serves its prompts on an engine (stage 6's, which extends
+this one); `python -m minipaged.benchmarks.serving` measures what paging and continuous batching
+buy against static batches on stage 1's contiguous cache and on paged blocks.
 """
 
 from __future__ import annotations
@@ -24,11 +23,14 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .kv_budget import bytes_per_block, num_blocks_for_budget
 from .errors import RequestError
-from .generate import sample
+from .generation import check_request, sample
+from .kv_budget import WATERMARK, bytes_per_block, pool_blocks
+from .paged_cache import PagedCache
 from .scheduler import Request, Scheduler
+from .swap import SwapSpace
 
 
 @dataclass
@@ -39,7 +41,7 @@ class EngineStats:
     generated_tokens: int = 0
     prefill_tokens: int = 0           # tokens run through prefill, recomputed ones included
     recomputed_tokens: int = 0        # ...of which had been computed before a recompute
-    cached_tokens: int = 0            # prompt tokens found in the prefix cache, not prefilled
+    cached_tokens: int = 0            # prompt tokens already in the cache, not prefilled (stage 6)
     peak_used_blocks: int = 0         # most blocks per layer held at once (after a step's model)
     used_blocks_sum: int = 0          # sum over busy steps of blocks per layer held
     preemptions: int = 0
@@ -47,6 +49,7 @@ class EngineStats:
     swap_bytes: int = 0               # bytes copied to or from the CPU pool, all layers
     running_sum: int = 0              # sum over busy steps of requests holding blocks
     running_max: int = 0
+    max_step_tokens: int = 0          # most tokens one step ran through the model
     seconds: float = 0.0
 
     @property
@@ -66,37 +69,37 @@ class StepRecord:
     blocks: dict = field(default_factory=dict)     # req_id -> blocks held (per layer) in the pool
     preempted: list = field(default_factory=list)  # (req_id, "recompute" | "swap")
     num_free_blocks: int = 0
+    decoded: list = field(default_factory=list)    # req_ids that ran one decode token
+    prefilled: dict = field(default_factory=dict)  # req_id -> prompt tokens it ran
 
 
 class Engine:
-    """Requests in, tokens out: a PagedCache, a Scheduler, and the model between them."""
+    """Requests in, tokens out: a PagedCache, a Scheduler, and the model between them.
+
+    The pool has `num_blocks` blocks per layer, or as many as `kv_budget` bytes hold. With
+    preemption="swap", a CPU pool of `num_cpu_blocks` blocks per layer (default: as many as the
+    KV pool) holds the K/V of swapped-out requests.
+    """
 
     def __init__(self, model, num_blocks: int | None = None, block_size: int = 16,
                  preemption: str = "recompute", *, kv_budget: int | None = None,
                  max_num_seqs: int = 256, max_seq_len: int | None = None,
-                 num_cpu_blocks: int | None = None, watermark: float = 0.01,
+                 num_cpu_blocks: int | None = None, watermark: float = WATERMARK,
                  static_batches: bool = False, seed: int = 0, backend: str = "auto",
-                 record: bool = False, prefix_caching: bool = False):
-        from .paged_cache import PagedCache
-
+                 record: bool = False):
         self.model = model
         a, p = model.args, next(model.parameters())
-        if not isinstance(block_size, int) or block_size < 1:
-            raise RequestError(f"block_size must be a positive integer, not {block_size!r}")
-        if num_blocks is None and kv_budget is not None:
-            num_blocks = num_blocks_for_budget(kv_budget, block_size, a.n_kv_heads, a.head_dim,
-                                               p.dtype, a.n_layers)
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise RequestError(f"give the pool a positive num_blocks (or a kv_budget in bytes), "
-                               f"not {num_blocks!r}")
+        if num_blocks is None and kv_budget is None:
+            raise RequestError("give the engine's pool a size: num_blocks, or a kv_budget in bytes")
+        num_blocks = pool_blocks(a, p.dtype, block_size, num_blocks, kv_budget)
         if num_cpu_blocks is None:     # swap space as large as the pool (vLLM sizes it in GiB)
             num_cpu_blocks = num_blocks if preemption == "swap" else 0
         self.max_seq_len = max_seq_len or a.max_seq_len
-        self.cache = PagedCache(a, num_blocks, block_size, max_num_seqs, self.max_seq_len,
-                                device=p.device, dtype=p.dtype, seed=seed, backend=backend,
-                                num_cpu_blocks=num_cpu_blocks, prefix_caching=prefix_caching)
-        self.scheduler = Scheduler(self.cache, preemption, watermark, max_num_seqs,
-                                   static_batches)
+        self.cache = self.new_cache(a, num_blocks, block_size, max_num_seqs, self.max_seq_len,
+                                    device=p.device, dtype=p.dtype, seed=seed, backend=backend)
+        self.swap = SwapSpace(self.cache, num_cpu_blocks) if num_cpu_blocks else None
+        self.scheduler = self.new_scheduler(self.cache, preemption, watermark, max_num_seqs,
+                                            static_batches, self.swap)
         self.device = p.device
         self.block_bytes = bytes_per_block(block_size, a.n_kv_heads, a.head_dim, p.dtype,
                                            a.n_layers)
@@ -105,46 +108,31 @@ class Engine:
         self.step_count = 0
         self.stats = EngineStats()
         self.history: list[StepRecord] | None = [] if record else None
-        self.callback = None      # callback(event, req_id, token, cache), as generate's
+        self.callback = None      # callback(event, req_id, token, cache), as generate_static's
+        self.tokens_run: dict[Request, int] = {}  # tokens each request ran in the current step
+
+    def new_cache(self, *args, **kwargs) -> PagedCache:
+        """The engine's KV cache (a later stage builds a richer one here)."""
+        return PagedCache(*args, **kwargs)
+
+    def new_scheduler(self, *args) -> Scheduler:
+        """The engine's scheduler (a later stage builds a richer one here)."""
+        return Scheduler(*args)
 
     # -- requests in -----------------------------------------------------------------------------
     def add_request(self, prompt, max_new_tokens: int, temperature: float = 0.0,
                     top_p: float = 1.0, generator=None, stop_tokens=None,
-                    arrival_step: int = 0, n: int = 1, generators=None) -> Request:
+                    arrival_step: int = 0) -> Request:
         """Queue a prompt (token ids). It joins `waiting` at `arrival_step` (0: now). A request
-        the pool could never hold is refused here, with a RequestError.
-
-        n > 1: K samples of the prompt sharing its blocks, the K requests added one after the
-        other (returned: the first); `generators` gives each its own stream (else `generator`
-        for the first and none for the rest, which only makes sense greedy)."""
-        if not isinstance(n, int) or n < 1 or (generators is not None and len(generators) != n):
-            raise RequestError(f"n must be a positive integer with one generator per sample, "
-                               f"not n={n!r}")
-        gens = list(generators) if generators is not None else [generator] + [None] * (n - 1)
+        that is malformed, or that the pool could never hold, is refused here (RequestError)."""
+        check_request(self.model, [prompt], max_new_tokens, temperature, top_p, self.max_seq_len)
         stop = self.model.args.stop_tokens if stop_tokens is None else stop_tokens
         req = Request(len(self.requests), list(prompt), int(max_new_tokens), temperature, top_p,
-                      gens[0], frozenset(stop), max(int(arrival_step), self.step_count))
-        if not req.prompt or req.max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
-            raise RequestError(f"request {req.req_id}: need a non-empty prompt, max_new_tokens "
-                               f">= 0, temperature >= 0 and 0 < top_p <= 1")
-        if n > self.scheduler.max_num_seqs:
-            raise RequestError(f"n={n} samples need {n} sequences at once, but the engine runs "
-                               f"at most {self.scheduler.max_num_seqs}; raise max_num_seqs")
-        if len(req.prompt) + req.max_new_tokens > self.max_seq_len:
-            raise RequestError(f"request {req.req_id} needs {len(req.prompt) + req.max_new_tokens}"
-                               f" positions but the cache holds {self.max_seq_len} per sequence; "
-                               f"ask for fewer tokens or build the engine with a larger max_seq_len")
+                      generator, frozenset(stop), max(int(arrival_step), self.step_count))
         self.scheduler.check(req)
         self.requests.append(req)
-        for g in gens[1:]:                         # its siblings: forked after its prefill
-            sib = Request(len(self.requests), list(req.prompt), req.max_new_tokens, temperature,
-                          top_p, g, req.stop_tokens, req.arrival_step)
-            self.requests.append(sib)
-            req.siblings.append(sib)
         if req.max_new_tokens == 0:                # nothing to do
-            for r in [req] + req.siblings:
-                r.status, r.finish_step = "finished", self.step_count
-            req.siblings = []
+            req.status, req.finish_step = "finished", self.step_count
         else:
             self.pending.append(req)
         return req
@@ -165,33 +153,9 @@ class Engine:
                 self.scheduler.add(r)
         plan = self.scheduler.schedule()
         self._count_preemptions(plan)
-
-        sampled = []                                # (request, token, event)
-        if plan.decode:
-            self.cache.prepare([r.seq_id for r in plan.decode], 1)
-            tokens = torch.tensor([[r.output[-1]] for r in plan.decode],
-                                  device=self.device)                            # (B, 1)
-            logits = self.model(tokens, cache=self.cache)[:, -1]                 # (B, V)
-            new = self._sample(plan.decode, logits)
-            sampled += [(r, t, "decode") for r, t in zip(plan.decode, new)]
-        for r in plan.prefill:
-            ids = r.prompt + r.output                  # after a recompute: everything so far
-            skipped = self.cache.start(r.seq_id, ids)  # a prefix-cache hit skips its blocks
-            logits = self.model(torch.tensor([ids[skipped:]], device=self.device),
-                                cache=self.cache, last_only=True)[:, -1]         # (1, V)
-            self.cache.name_blocks(r.seq_id, ids)    # at once: the next prefill may hit
-            group = [r] + r.siblings                   # parallel samples: fork, then sample
-            for sib in r.siblings:
-                self.cache.fork(r.seq_id, sib.seq_id)
-            r.siblings = []                            # forked once; a recompute is alone
-            sampled += [(g, t, "prefill") for g, t in
-                        zip(group, self._sample(group, logits.expand(len(group), -1)))]
-            self.stats.prefill_tokens += len(ids) - skipped
-            self.stats.cached_tokens += skipped
-            self.stats.recomputed_tokens += len(ids) - 1 if r.output else 0
-        if self.cache.prefix_caching:                 # name the blocks decodes filled
-            for r in plan.decode:
-                self.cache.name_blocks(r.seq_id, r.prompt, r.output)
+        self.tokens_run = {}
+        sampled = self._run_model(plan)             # (request, token, event)
+        self._after_model(plan)
         used = self.cache.num_used_blocks
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, used)
         if plan.decode or plan.prefill:
@@ -214,6 +178,48 @@ class Engine:
         self._count_step(plan, time.perf_counter() - start)
         return finished
 
+    def _run_model(self, plan) -> list:
+        """The model calls of a step: one batched decode call for every running request, then
+        one prefill call per admitted request. Returns (request, token, event) triples."""
+        sampled = []
+        if plan.decode:
+            self.cache.prepare([r.seq_id for r in plan.decode], 1)
+            tokens = torch.tensor([[r.output[-1]] for r in plan.decode],
+                                  device=self.device)                            # (B, 1)
+            logits = self.model(tokens, cache=self.cache)[:, -1]                 # (B, V)
+            self.tokens_run.update(dict.fromkeys(plan.decode, 1))
+            sampled += [(r, t, "decode") for r, t in
+                        zip(plan.decode, self._sample(plan.decode, logits))]
+        for r in plan.prefill:
+            logits = self._prefill(r)                                            # (1, V)
+            sampled += [(g, t, "prefill") for g, t in self._first_tokens(r, logits)]
+        return sampled
+
+    def _prefill(self, r: Request):
+        """Run one admitted request's prompt (after a recompute: everything it had) through
+        the model; the logits of its last token, (1, V)."""
+        ids = r.prompt + r.output
+        skipped = self._start(r, ids)
+        logits = self.model(torch.tensor([ids[skipped:]], device=self.device),
+                            cache=self.cache, last_only=True)[:, -1]             # (1, V)
+        self.tokens_run[r] = len(ids) - skipped
+        self.stats.prefill_tokens += len(ids) - skipped
+        self.stats.recomputed_tokens += len(ids) - 1 if r.output else 0
+        return logits
+
+    def _start(self, r: Request, ids) -> int:
+        """Make room for a prefill of `ids`; returns how many of them the cache already holds
+        and the model may skip (none here)."""
+        self.cache.prepare([r.seq_id], len(ids))
+        return 0
+
+    def _first_tokens(self, r: Request, logits):
+        """(request, token) pairs sampled from a prefill's logits: here, r's first token."""
+        return list(zip([r], self._sample([r], logits)))
+
+    def _after_model(self, plan) -> None:
+        """Anything a step does once the model has run (nothing here)."""
+
     def _sample(self, reqs, logits) -> list[int]:
         """One token per row of (B, V) logits: one argmax for the batch, and a draw from each
         sampling request's own generator."""
@@ -230,8 +236,6 @@ class Engine:
             while self.has_unfinished():
                 self.step()
             return self.requests
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
-            TimeElapsedColumn
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[queues]}"), TimeElapsedColumn()]
         with Progress(*columns, transient=True) as bar:
@@ -248,9 +252,10 @@ class Engine:
     def _count_preemptions(self, plan) -> None:
         st = self.stats
         st.preemptions += len(plan.preempted)
-        moved = [r for r, mode in plan.preempted if mode == "swap"] + plan.swapped_in
-        for r in moved:                              # a swapped request holds its cached tokens
-            n = self.scheduler.blocks_for(r.num_tokens - 1)
+        moved = [(r, self.swap.cpu_managers[0]) for r, mode in plan.preempted if mode == "swap"]
+        moved += [(r, self.cache.managers[0]) for r in plan.swapped_in]
+        for r, pool in moved:                        # the blocks of its cached tokens, now there
+            n = len(pool.blocks_of(r.seq_id))
             st.swapped_blocks += n
             st.swap_bytes += n * self.block_bytes
 
@@ -259,6 +264,7 @@ class Engine:
         st.steps += 1
         st.seconds += seconds
         n = len(plan.decode) + len(plan.prefill)     # requests that ran: the batch
+        st.max_step_tokens = max(st.max_step_tokens, sum(self.tokens_run.values()))
         if n:
             st.busy_steps += 1
             st.running_sum += n
@@ -267,7 +273,9 @@ class Engine:
     def _record(self, plan) -> None:
         """Snapshot after the model ran, before finished requests give their blocks back."""
         rec = StepRecord(self.step_count, num_free_blocks=self.cache.num_free_blocks,
-                         preempted=[(r.req_id, mode) for r, mode in plan.preempted])
+                         preempted=[(r.req_id, mode) for r, mode in plan.preempted],
+                         decoded=[r.req_id for r in plan.decode],
+                         prefilled={r.req_id: self.tokens_run[r] for r in plan.prefill})
         first = self.cache.managers[0]
         for r in self.requests:
             if r.status in ("pending", "finished"):

@@ -15,7 +15,7 @@ Reading them off a cache needs one thing the cache cannot know: each request's f
 
 `FirstFitAllocator` is the contiguous allocator the simulator (`simulator.py`) runs the
 contiguous policies on, so their external fragmentation is measured, not assumed.
-`python -m minipaged.fragmentation` compares the policies on a workload (`workloads.py`).
+`python -m minipaged.benchmarks.policies` compares the policies on a workload (`workloads.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .errors import MiniPagedError, RequestError
+from .kv_cache import kv_bytes_per_token
 
 KINDS = ("token states", "reservation", "internal", "external", "idle")
 TOKEN, RESERVED, INTERNAL, EXTERNAL, IDLE = range(5)     # slot categories in a slot map
@@ -139,8 +140,8 @@ def measure_paged(cache, final_lens: dict) -> KVWaste:
         allocated = m.num_blocks_held.numpy()[ids] * m.block_size
         layers.append(waste(stored, allocated, _finals(final_lens, ids),
                             m.num_blocks * m.block_size))
-        k = m.k_cache_paged
-        layer_bytes += 2 * k.shape[2] * k.shape[3] * k.element_size()   # K and V, one layer
+        _, _, n_kv_heads, head_dim = m.k_cache_paged.shape
+        layer_bytes += kv_bytes_per_token(n_kv_heads, head_dim, m.k_cache_paged.dtype)
     if any(w != layers[0] for w in layers):
         raise MiniPagedError("the layers of this cache disagree about what they hold: "
                              "drive every layer's CacheManager with the same calls")
@@ -260,62 +261,3 @@ class FirstFitAllocator:
         else:
             self._starts.insert(i, start)
             self._sizes.insert(i, size)
-
-
-# -- the command line ----------------------------------------------------------------------------
-
-def main(argv=None) -> int:
-    """Compare every policy on one workload: a table in the terminal, figures in assets/."""
-    import argparse
-    from pathlib import Path
-
-    from rich.console import Console
-
-    from . import simulator, workloads
-
-    p = argparse.ArgumentParser(prog="python -m minipaged.fragmentation", description=main.__doc__)
-    p.add_argument("--workload", default="sharegpt",
-                   help="sharegpt, alpaca, or a trace file (.csv/.json of prompt_len, output_len)")
-    p.add_argument("--requests", type=int, default=2000, help="synthetic requests to draw")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-seq-len", type=int, default=2048,
-                   help="what the max policy reserves per request (OPT's 2048, as in the paper)")
-    p.add_argument("--kv-budget-tokens", type=int, default=65536,
-                   help="KV memory in token slots (65,536 = 8 GiB of Llama 3 8B bf16 KV)")
-    p.add_argument("--bytes-per-token", type=int, default=simulator.LLAMA3_8B_BF16_BYTES_PER_TOKEN)
-    p.add_argument("--assets", default="assets", help="folder for the PNG figures")
-    p.add_argument("--no-plots", action="store_true")
-    args = p.parse_args(argv)
-    console = Console()
-    if not console.is_terminal:          # piped or captured: do not squeeze the table to 80
-        console = Console(width=132)
-    try:
-        wl = workloads.load(args.workload, n=args.requests, seed=args.seed,
-                            max_seq_len=args.max_seq_len)
-        results = simulator.compare(wl, args.kv_budget_tokens, args.max_seq_len,
-                                    bytes_per_slot=args.bytes_per_token)
-    except MiniPagedError as err:
-        console.print(f"[red]error:[/red] {err}")
-        return 2
-    from .viz import rich_policy_table
-    console.print(rich_policy_table(results, wl, args.kv_budget_tokens, args.bytes_per_token))
-    if not args.no_plots:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        from . import viz
-        out = Path(args.assets)
-        out.mkdir(parents=True, exist_ok=True)
-        figures = {"fragmentation_policies.png": viz.plot_waste_bars(simulator.headline(results)),
-                   "fragmentation_block_size.png": viz.plot_block_size_sweep(results),
-                   "fragmentation_concurrency.png": viz.plot_concurrency(results)}
-        for name, fig in figures.items():
-            fig.savefig(out / name, dpi=120)
-            plt.close(fig)
-            console.print(f"wrote {out / name}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

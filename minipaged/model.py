@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .errors import UsageError
+
 
 @dataclass
 class ModelArgs:
@@ -43,6 +45,14 @@ class ModelArgs:
     def __post_init__(self):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{name} must be a positive whole number, not {value!r}")
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise UsageError(f"the heads must split evenly: dim {self.dim} into n_heads "
+                             f"{self.n_heads}, and n_heads into n_kv_heads {self.n_kv_heads} "
+                             f"groups (grouped-query attention)")
         if self.hidden_dim is None:       # Meta's FeedForward sizing, verbatim in spirit
             hidden = int(2 * (4 * self.dim) / 3)
             if self.ffn_dim_multiplier is not None:
@@ -176,22 +186,27 @@ class Llama(nn.Module):
         # A plain attribute, not a buffer: `model.to(torch.bfloat16)` must not round it.
         self.rope_freqs = rope_frequencies(args)
 
-    def forward(self, tokens, cache=None, last_only: bool = False):
-        """tokens (B, T) -> logits (B, T, vocab) float32 (or (B, 1, vocab) with `last_only`).
+    def forward(self, tokens, cache=None, last_only: bool = False, logits_indices=None):
+        """tokens (B, T) -> logits (B, T, vocab) float32; (B, 1, vocab) with `last_only`; with
+        `logits_indices` (K,), the logits at those K positions of each row only, (B, K, vocab).
 
         No cache: the T tokens are a whole sequence, positions 0..T-1, causal.
-        With a cache (after `cache.prepare`): row b continues at position cache.cache_seqlens[b].
+        With a cache (after `cache.prepare`): token t of row b sits at position
+        `cache.positions[b, t]` of its sequence (row b continues after its cached tokens).
         """
         B, T = tokens.shape
-        positions = torch.arange(T, device=tokens.device)[None, :].expand(B, T)      # (B, T)
-        if cache is not None:
-            positions = positions + cache.cache_seqlens.to(tokens.device).long()[:, None]
+        if cache is None:
+            positions = torch.arange(T, device=tokens.device)[None, :].expand(B, T)  # (B, T)
+        else:
+            positions = cache.positions.to(tokens.device)                            # (B, T)
         freqs_cis = precompute_freqs_cis(self.rope_freqs.to(tokens.device), positions)  # (B, T, D/2)
         h = self.tok_embeddings(tokens)                                              # (B, T, dim)
         for layer in self.layers:
             h = layer(h, freqs_cis, cache)
         if last_only:
             h = h[:, -1:]                                                            # (B, 1, dim)
+        elif logits_indices is not None:
+            h = h[:, logits_indices]                                                 # (B, K, dim)
         return self.output(self.norm(h)).float()                                     # (B, T, vocab)
 
     def num_params(self) -> int:

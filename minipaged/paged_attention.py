@@ -12,15 +12,18 @@ flash-attn's CUDA kernel where it can, and a readable PyTorch version everywhere
   2. gather each row's blocks into one contiguous (B, L, n_kv_heads, head_dim) tensor;
   3. attend with the masked attention the contiguous cache uses (`attention_over_cache`).
 
-`last_backend` says which one served the last call; the first use of each is logged.
+`backend=` picks the implementation: "flash_attn", "torch", any a later stage adds with
+`register_backend` (stage 3b adds "triton"), or "auto" (flash-attn's kernel where it can serve
+the call, PyTorch elsewhere). `last_backend` says which one served the last call; the first use
+of each is logged.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Callable, NamedTuple
 
 import torch
-
 
 from .kv_cache import attention_over_cache
 
@@ -30,8 +33,34 @@ except ImportError:
     flash_attn = None
 
 log = logging.getLogger(__name__)
-last_backend: str | None = None   # "flash_attn" or "torch": the implementation of the last call
+last_backend: str | None = None   # the implementation that served the last call
 _announced: set[str] = set()      # log lines already written, so each appears once
+
+
+class Backend(NamedTuple):
+    """An implementation behind `flash_attn_with_kvcache(..., backend=name)`.
+
+    `attend(q, k_cache, v_cache, block_table, seqlens_k, causal, softmax_scale, num_splits)`
+    runs after the new k/v are written: row b has `seqlens_k[b]` keys in the blocks its
+    `block_table` row lists (every entry a real block: see `owned_block_table`).
+    `why_not(q, k_cache)` is a sentence saying why it cannot serve a call, or None.
+    """
+    attend: Callable
+    why_not: Callable = lambda q, k_cache: None
+
+
+BACKENDS: dict[str, Backend] = {}   # name -> Backend; flash-attn's kernel is called directly
+
+
+def register_backend(name: str, attend: Callable, why_not: Callable | None = None) -> None:
+    """Make `flash_attn_with_kvcache(..., backend=name)` (and PagedCache's `backend=name`) run
+    `attend`, with the write, the checks and the flash-attn semantics of every other backend."""
+    BACKENDS[name] = Backend(attend, why_not or Backend._field_defaults["why_not"])
+
+
+def available_backends() -> list[str]:
+    """The names `backend=` accepts."""
+    return ["auto", "flash_attn", *BACKENDS]
 
 
 def flash_attn_available() -> bool:
@@ -52,19 +81,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     optional `cache_batch_idx` int32 (B,); k, v (B, Sk, Hk, D); `cache_seqlens` an int or an
     int32 (B,) tensor of tokens already stored (None: every row fills its whole cache).
     Row b attends to cache_seqlens[b] + Sk keys; `causal` aligns the mask bottom-right.
-    Returns (B, Sq, Hq, D). `backend` is "auto", "torch" or "flash_attn".
+    Returns (B, Sq, Hq, D). `backend` is one of `available_backends()`.
     """
     global last_backend
-    if backend not in ("auto", "torch", "flash_attn"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'flash_attn', not {backend!r}")
+    if backend not in available_backends():
+        raise ValueError(f"backend must be one of {', '.join(map(repr, available_backends()))}, "
+                         f"not {backend!r}")
     cache_seqlens = _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                                   block_table)
     why_not = _why_not_flash(q, k_cache, block_table)
     if backend == "flash_attn" and why_not:
         raise ValueError(f"backend='flash_attn' cannot serve this call: {why_not}")
     use_flash = backend == "flash_attn" or (backend == "auto" and why_not is None)
-    last_backend = "flash_attn" if use_flash else "torch"
-    _announce(last_backend, None if use_flash or backend == "torch" else why_not, q.is_cuda)
+    name = "flash_attn" if use_flash else "torch" if backend == "auto" else backend
+    if not use_flash and (refusal := BACKENDS[name].why_not(q, k_cache)):
+        raise ValueError(f"backend={name!r} cannot serve this call: {refusal}")
+    last_backend = name
+    _announce(name, why_not if backend == "auto" and not use_flash else None, q.is_cuda)
 
     if use_flash:
         return flash_attn.flash_attn_with_kvcache(
@@ -84,18 +117,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     asked = [name for name, used in unsupported.items() if used]
     if asked:
         raise NotImplementedError(
-            f"the PyTorch paged attention does not implement {', '.join(asked)}; leave "
+            f"the {name} paged attention does not implement {', '.join(asked)}; leave "
             f"{'it' if len(asked) == 1 else 'them'} at flash-attn's default, or run flash-attn's "
             f"kernel (CUDA, fp16/bf16, block size a multiple of 256)")
-    return _torch_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-                          block_table, softmax_scale, causal)
+    table, cache_seqlens, seqlens_k = owned_block_table(q, k_cache, k, cache_seqlens,
+                                                        cache_batch_idx, block_table)
+    write_new_kv(k_cache, v_cache, k, v, table, cache_seqlens)
+    return BACKENDS[name].attend(q, k_cache, v_cache, table, seqlens_k, causal, softmax_scale,
+                                 num_splits)
 
 
 # -- the PyTorch implementation ----------------------------------------------------------------
 
-def _torch_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                   softmax_scale, causal):
-    """Write, gather, attend: paged attention in three readable steps."""
+def owned_block_table(q, k_cache, k, cache_seqlens, cache_batch_idx, block_table):
+    """The block table every backend but flash-attn's reads, and the lengths before and after
+    the new tokens: (table (B, n), cache_seqlens (B,), seqlens_k (B,)), all on q's device.
+
+    The table is cut to the n blocks the longest row needs, and every entry a row does not own
+    points at block 0: entries past a row's last block may be padding (-1, stale ids), and any
+    real block will do there, since no backend reads a slot past seqlens_k[b].
+    """
     B, device = q.shape[0], q.device
     num_blocks, block_size = k_cache.shape[:2]
     if block_table is None:
@@ -117,32 +158,40 @@ def _torch_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, bl
             f"a row needs {L} slots but its block table addresses only {capacity} "
             f"({block_table.shape[1]} blocks of {block_size}); give it more blocks first")
 
-    # Only the first n entries of a table matter, and only those a row owns: entries past a
-    # row's last block may be padding (-1, stale ids), so point them at block 0 — any real
-    # block will do, since the mask hides everything past seqlens_k[b].
     n = -(-L // block_size)                                                   # ceil(L / bs)
     owned = torch.arange(n, device=device) * block_size < seqlens_k[:, None]  # (B, n)
     table = torch.where(owned, block_table[:, :n].long(), 0)                  # (B, n)
     if n and (int(table.min()) < 0 or int(table.max()) >= num_blocks):
         raise ValueError(f"block_table (or cache_batch_idx) points outside k_cache's "
                          f"{num_blocks} blocks (rows): every block a row uses must exist")
+    return table, cache_seqlens, seqlens_k
 
-    # 1. write: new token t of row b goes to position p = cache_seqlens[b] + t, which is slot
-    #    block_table[b, p // block_size] * block_size + p % block_size of the pool seen as one
-    #    long array of slots (vLLM's slot_mapping). Like vLLM's reshape_and_cache, split the
-    #    slot back into (block, offset) to write without assuming the pool's memory layout.
-    if k is not None:
-        positions = cache_seqlens[:, None].long() + torch.arange(n_new, device=device)  # (B, Sk)
-        slot_mapping = table.gather(1, positions // block_size) * block_size \
-            + positions % block_size                                          # (B, Sk)
-        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-        k_cache[blocks, offsets] = k                      # in place, (B, Sk, Hk, D) slots
-        v_cache[blocks, offsets] = v
 
-    # 2. gather: each row's blocks, in table order, side by side.
+def write_new_kv(k_cache, v_cache, k, v, table, cache_seqlens) -> None:
+    """Write the new k/v (B, Sk, Hk, D) in place, at positions cache_seqlens[b] ... of row b.
+
+    New token t of row b goes to position p = cache_seqlens[b] + t, which is slot
+    table[b, p // block_size] * block_size + p % block_size of the pool seen as one long array
+    of slots (vLLM's slot_mapping). Like vLLM's reshape_and_cache, split the slot back into
+    (block, offset) to write without assuming the pool's memory layout.
+    """
+    if k is None:
+        return
+    block_size, n_new, device = k_cache.shape[1], k.shape[1], k.device
+    positions = cache_seqlens[:, None].long() + torch.arange(n_new, device=device)  # (B, Sk)
+    slot_mapping = table.gather(1, positions // block_size) * block_size \
+        + positions % block_size                                          # (B, Sk)
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, offsets] = k                      # in place, (B, Sk, Hk, D) slots
+    v_cache[blocks, offsets] = v
+
+
+def _gather_and_attend(q, k_cache, v_cache, table, seqlens_k, causal, softmax_scale, num_splits):
+    """The "torch" backend: gather each row's blocks, then attend (`num_splits` is a kernel's
+    knob; it means nothing here)."""
+    L = int(seqlens_k.max())                              # the longest row: all we gather
     k_ctx, v_ctx = _gather(k_cache, table, L), _gather(v_cache, table, L)    # (B, L, Hk, D)
-
-    # 3. attend: the same masked attention as the contiguous cache.
+    # the same masked attention as the contiguous cache
     return attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=causal,
                                 softmax_scale=softmax_scale)
 
@@ -157,6 +206,9 @@ def _gather(cache, table, L):
     used = min(cache.shape[1], L)        # L < block_size: only the first L slots of one block
     blocks = cache[:, :used].index_select(0, table.flatten())          # (B * n, used, Hk, D)
     return blocks.view(B, n * used, *cache.shape[2:])[:, :L]           # (B, L, Hk, D)
+
+
+register_backend("torch", _gather_and_attend)
 
 
 # -- checks and dispatch -------------------------------------------------------------------------

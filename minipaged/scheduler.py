@@ -12,25 +12,21 @@ Every step, `schedule` first finds a slot for the next token of every running re
 first. When the pool is dry it preempts the most recently admitted running request — by
 recompute (free its blocks; it goes back to the front of `waiting` with the tokens it has
 generated appended to its prompt, to be prefilled again) or by swap (its blocks are copied to
-the CPU pool and freed). Only in a step with no preemption does it then swap requests back in
-and admit waiting ones, as long as their blocks fit with a small watermark to spare.
-
-Stage 6: a request with parallel samples (`n=K`) brings K-1 siblings along. They wait with it
-and are admitted with it; after its prefill the engine forks them from its blocks, so the K
-samples share the prompt's blocks and pay only for what they write (copy-on-write). From then
-on each is an ordinary running request: preempting one frees only its own references.
+the CPU pool, `swap.py`, and freed). Only in a step with no preemption does it then swap
+requests back in and admit waiting ones, as long as their blocks fit with the watermark of
+stage 2 (`kv_budget.admits`) to spare.
 
 The scheduler never runs the model: it moves requests between queues and blocks between
-pools, and returns which requests the engine prefills and which it decodes.
+pools, and returns which requests the engine (`engine.py`) prefills and which it decodes.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from .errors import RequestError
+from .kv_budget import WATERMARK, admits, watermark_blocks
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -51,7 +47,6 @@ class Request:
     seq_id: int | None = None             # its row in the cache while it holds blocks
     num_preemptions: int = 0
     finish_step: int | None = None
-    siblings: list = field(default_factory=list)   # parallel samples to fork after its prefill
 
     @property
     def num_tokens(self) -> int:
@@ -73,19 +68,19 @@ class Scheduler:
     """First come, first served over a PagedCache, preempting the newest request when blocks
     run out. `static_batches=True` admits new requests only when nothing runs: a batch is
     formed, served to its end, and only then the next one starts (the baseline that continuous
-    batching beats)."""
+    batching beats). Preemption by swap needs a `SwapSpace`."""
 
-    def __init__(self, cache, preemption: str = "recompute", watermark: float = 0.01,
-                 max_num_seqs: int | None = None, static_batches: bool = False):
+    def __init__(self, cache, preemption: str = "recompute", watermark: float = WATERMARK,
+                 max_num_seqs: int | None = None, static_batches: bool = False, swap=None):
         if preemption not in PREEMPTION_MODES:
             raise RequestError(f"preemption must be 'recompute' or 'swap', not {preemption!r}")
-        if preemption == "swap" and not cache.cpu_managers:
-            raise RequestError("preemption='swap' needs a CPU swap pool: build the PagedCache "
-                               "with num_cpu_blocks > 0")
-        self.cache, self.preemption, self.static_batches = cache, preemption, static_batches
+        if preemption == "swap" and swap is None:
+            raise RequestError("preemption='swap' needs a CPU swap pool: give the engine "
+                               "num_cpu_blocks > 0")
+        self.cache, self.swap, self.static_batches = cache, swap, static_batches
+        self.preemption = preemption
         self.block_size, self.num_blocks = cache.block_size, cache.num_blocks
-        # vLLM keeps 1% of the pool free at admission, so a decode step right after does not fail.
-        self.watermark_blocks = max(1, math.ceil(watermark * self.num_blocks)) if watermark else 0
+        self.watermark_blocks = watermark_blocks(self.num_blocks, watermark)
         rows = cache.managers[0].max_seqs
         self.max_num_seqs = min(rows, max_num_seqs or rows)
         self.free_rows = list(range(rows - 1, -1, -1))          # cache rows (seq ids) to hand out
@@ -116,72 +111,88 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def group(self, req: Request) -> list[Request]:
+        """The requests admitted together with `req`, itself first (here: itself alone)."""
+        return [req]
+
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
         out = ScheduledStep()
-        committed = 0                 # free blocks promised to this step's requests already
-        shared = self.cache.managers[0].refs.max(initial=0) > 1   # forks: copies-on-write?
-        # 1. Every running request gets a slot for one more token, oldest first; when the pool is
-        #    dry, the newest running request gives its blocks up (possibly the one asking).
+        committed = self._schedule_decodes(out)
+        if out.preempted:             # memory is tight: admit nobody this step (as vLLM does)
+            return out
+        committed = self._swap_in(out, committed)
+        if not self.swapped and not (self.static_batches and self.running):
+            self._admit(out, committed)
+        return out
+
+    def _schedule_decodes(self, out: ScheduledStep) -> int:
+        """1. Every running request gets a slot for one more token, oldest first; when the pool
+        is dry, the newest running request gives its blocks up (possibly the one asking).
+        Returns the free blocks promised to this step."""
+        committed = 0
         while len(out.decode) < len(self.running):
             req = self.running[len(out.decode)]
-            need = self.blocks_for(req.num_tokens) - self.blocks_for(req.num_tokens - 1)  # 0 or 1
-            if shared:                # a shared partial block costs a copy (counted per writer)
-                need = self.cache.blocks_to_grow(req.seq_id)
+            need = self.cache.blocks_to_grow(req.seq_id)       # 0, or 1 at a block boundary
             while need > self.cache.num_free_blocks - committed and req.status == "running":
                 self._preempt(self.running[-1], out)
             if req.status != "running":
                 break                 # it was the newest itself: nothing left to decode
             out.decode.append(req)
             committed += need
-        if out.preempted:             # memory is tight: admit nobody this step (as vLLM does)
-            return out
+        return committed
 
-        # 2. Swapped requests come back first, oldest first (as in vLLM v0).
+    def _swap_in(self, out: ScheduledStep, committed: int) -> int:
+        """2. Swapped requests come back first, oldest first (as in vLLM v0)."""
         while self.swapped:
             req = self.swapped[0]
             held = self.blocks_for(req.num_tokens - 1)
             need = self.blocks_for(req.num_tokens)             # its blocks + this step's token
             if not self._fits(need, committed):
                 break
-            self.cache.swap_in(req.seq_id)
-            self.swapped.popleft()
-            req.status = "running"
-            self.running.append(req)
-            out.swapped_in.append(req)
+            self._bring_back(out)
             out.decode.append(req)
             committed += need - held
+        return committed
 
-        # 3. Then new (or recomputed) requests, in order, while their prompts fit.
-        if self.swapped or (self.static_batches and self.running):
-            return out
+    def _bring_back(self, out: ScheduledStep) -> Request:
+        """The oldest swapped request's blocks are copied back into the KV pool; it runs again."""
+        req = self.swapped[0]
+        self.swap.swap_in(req.seq_id)
+        self.swapped.popleft()
+        req.status = "running"
+        self.running.append(req)
+        out.swapped_in.append(req)
+        return req
+
+    def _admit(self, out: ScheduledStep, committed: int) -> None:
+        """3. Then new (or recomputed) requests, in order, while their prompts fit."""
         while self.waiting:
             req = self.waiting[0]
-            rows = 1 + len(req.siblings)                       # a group is admitted whole
+            group = self.group(req)                            # admitted whole
             need = self.blocks_for(req.num_tokens)             # prompt + any earlier output
-            if rows > min(len(self.free_rows), self.max_num_seqs - len(self.running)) or \
+            if len(group) > min(len(self.free_rows), self.max_num_seqs - len(self.running)) or \
                     not self._fits(need, committed):
                 break                 # first come, first served: nobody overtakes it
             self.waiting.popleft()
-            for r in [req] + req.siblings:                     # siblings hold no blocks yet
+            for r in group:                                    # a group shares req's blocks later
                 r.seq_id, r.status = self.free_rows.pop(), "running"
                 self.running.append(r)
             out.prefill.append(req)
             committed += need
-        return out
 
     def _fits(self, need: int, committed: int) -> bool:
-        """Room for `need` more blocks, keeping the watermark free unless the pool is empty."""
-        spare = self.watermark_blocks if self.running else 0
-        return need + spare <= self.cache.num_free_blocks - committed
+        """Room for `need` more blocks, keeping the watermark free unless nothing runs."""
+        return admits(need, self.cache.num_free_blocks - committed, self.watermark_blocks,
+                      alone=not self.running)
 
     def _preempt(self, req: Request, out: ScheduledStep) -> None:
         """Take a running request's blocks away: to the CPU pool (swap) or nowhere (recompute).
         If the CPU pool is full, swap falls back to recompute."""
         self.running.remove(req)
         req.num_preemptions += 1
-        if self.preemption == "swap" and self.cache.can_swap_out(req.seq_id):
-            self.cache.swap_out(req.seq_id)
+        if self.preemption == "swap" and self.swap.can_swap_out(req.seq_id):
+            self.swap.swap_out(req.seq_id)
             req.status = "swapped"
             self.swapped.appendleft(req)    # victims go newest first: the oldest ends up in front
             out.preempted.append((req, "swap"))

@@ -11,7 +11,7 @@ All requests wait at the start (a backlog, when memory is what limits a server).
 
 How a request takes memory is the policy:
 
-  max     one contiguous extent of max_seq_len slots (the seed's Llama 3 cache, Orca (Max));
+  max     one contiguous extent of max_seq_len slots (stage 1's cache, Orca (Max));
   pow2    one extent of the next power of two of its final length (Orca (Pow2));
   oracle  one extent of exactly its final length — an oracle: no real server knows it;
   paged   blocks of block_size slots from a pool, as the CacheManager hands them out.
@@ -28,12 +28,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import torch
+
 from .errors import OutOfBlocksError, RequestError
 from .fragmentation import KINDS, FirstFitAllocator, KVWaste, split_allocated, split_free
+from .kv_budget import WATERMARK, admits, watermark_blocks
+from .kv_cache import kv_bytes_per_token
 
-LLAMA3_8B_BF16_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2   # K and V x 32 layers x 8 heads x 128 x bf16
+# Llama 3 8B: 32 layers of 8 KV heads of 128 dims, in bf16 (128 KiB a token)
+LLAMA3_8B_BF16_BYTES_PER_TOKEN = kv_bytes_per_token(8, 128, torch.bfloat16, n_layers=32)
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
-WATERMARK = 0.01    # vLLM v0 admits a request only if 1% of the blocks stay free afterwards
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,7 @@ class _Server:
         if self.num_blocks < -(-max_seq_len // self.bs):
             raise OutOfBlocksError(f"a KV budget of {budget_slots} slots cannot hold one request "
                                    f"of max_seq_len={max_seq_len} tokens ({policy.label}); raise it")
-        self.watermark_blocks = int(watermark * self.num_blocks)
+        self.watermark_blocks = watermark_blocks(self.num_blocks, watermark)
         if not self.paged:
             self.size = reservations(policy, self.F, max_seq_len)
             self.region = FirstFitAllocator(budget_slots)
@@ -203,7 +207,7 @@ class _Server:
             if self.paged:
                 need, free = -(-pre // self.bs), self.num_blocks - held
                 alone = not len(self.ids) and not new_ids          # nothing runs: no watermark
-                if free - need < self.watermark_blocks and not (alone and need <= free):
+                if not admits(need, free, self.watermark_blocks, alone):
                     break
                 held += need
             elif self.region.allocate(h, int(self.size[h])) is None:

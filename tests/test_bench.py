@@ -5,7 +5,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from minipaged import bench, viz
+from minipaged import viz
+from minipaged.benchmarks import serving as bench
 from minipaged.kv_budget import bytes_per_block
 from minipaged.engine import StepRecord
 

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from llama_models.llama3.tokenizer import Tokenizer as MetaTokenizer
 from tiktoken.load import load_tiktoken_bpe
 
-from minipaged.bpe import count_chunks, learn_merges, main, save_tiktoken_bpe, train_bpe
-from minipaged.tokenizer import Tokenizer, load_tokenizer
+from minipaged.embedded.bpe import count_chunks, learn_merges, main, save_tiktoken_bpe, train_bpe
+from minipaged.formats.tokenizer import Tokenizer
+from minipaged.formats import load_tokenizer
 
 LLAMA3_FILE = Path(llama_models.__file__).parent / "llama3" / "tokenizer.model"
 SPLIT = regex.compile(MetaTokenizer.pat_str)
@@ -185,6 +186,7 @@ def test_progress_reports_every_merge():
 
 def test_cli(tmp_path, capsys):
     (tmp_path / "a.txt").write_text(make_corpus(7, 50), encoding="utf-8")
+    (tmp_path / "m").mkdir()
     main([str(tmp_path / "a.txt"), "--vocab-size", "300", "--out", str(tmp_path / "m" / "tok")])
     assert "300 ranks" in capsys.readouterr().out
     lines = (tmp_path / "m" / "tok").read_bytes().splitlines()

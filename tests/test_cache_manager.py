@@ -5,7 +5,6 @@ which calls must fail) is derived from that with ceil(length / block_size), inde
 the code under test.
 """
 
-import importlib.util
 import math
 import random
 from pathlib import Path
@@ -17,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
+from minipaged.benchmarks import bookkeeping as bench
 from minipaged.cache_manager import PAD_BLOCK, CacheManager
 from minipaged.kv_budget import (bytes_per_block, kv_budget_from_free_memory,
                                  make_cache_managers, num_blocks_for_budget)
@@ -352,10 +352,6 @@ def test_errors_name_the_problem():
 # -- the benchmark runs ---------------------------------------------------------------------------
 
 def test_benchmark_runs_and_prints_both_implementations(capsys):
-    spec = importlib.util.spec_from_file_location(
-        "bench_cache_manager", ROOT / "benchmarks" / "bench_cache_manager.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     bench.main(["--steps", "20", "--batch", "8", "--layers", "2", "--repeats", "1"])
     out = capsys.readouterr().out
     assert "seed-style (faithful)" in out and "minipaged CacheManager" in out

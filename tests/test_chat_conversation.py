@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from minipaged import generate, load_model, load_tokenizer
-from minipaged.chat import make_chat_cache
-from minipaged.conversation import Conversation
-from minipaged.gguf_checkpoint import packaged_model_path
+from minipaged.chat.app import make_chat_cache
+from minipaged.chat.conversation import Conversation
+from minipaged.formats.gguf_checkpoint import packaged_model_path
 from minipaged.paged_cache import PagedCache
-from minipaged.tokenizer import chat_format
+from minipaged.formats.tokenizer import chat_format
 
 QUESTIONS = ["what is a block table?", "what is paged attention?", "what is a KV cache?"]
 
@@ -124,7 +124,7 @@ def test_smollm2_conversation_keeps_its_blocks_exactly():
 
 
 def test_stats_count_the_conversations_memory(embedded):
-    from minipaged.chat import stats_rows
+    from minipaged.chat.app import stats_rows
     model, tok = embedded
     a = model.args
     conv = Conversation(model, tok, make_chat_cache(model, "paged", 16), max_new_tokens=20)

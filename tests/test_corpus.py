@@ -9,8 +9,8 @@ from collections import defaultdict
 
 import pytest
 
-from minipaged.corpus import build_corpus, corpus_stats
-from minipaged.corpus_data import TECH_TOPICS
+from minipaged.embedded.corpus import build_corpus, corpus_stats
+from minipaged.embedded.dialogs import TECH_TOPICS
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +176,7 @@ def test_corpus_stats_counts_match_the_dialogs(corpus):
 
 
 def test_the_command_line_prints_stats_and_samples():
-    out = subprocess.run([sys.executable, "-m", "minipaged.corpus", "--samples", "1"],
+    out = subprocess.run([sys.executable, "-m", "minipaged.embedded.corpus", "--samples", "1"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "heldout" in out.stdout and "block_table" in out.stdout and "assistant" in out.stdout
@@ -184,7 +184,7 @@ def test_the_command_line_prints_stats_and_samples():
 
 def test_every_answer_variant_is_short_and_carries_a_keyword():
     # All variants, not only the ones seed 0 happened to draw.
-    from minipaged.corpus_data import CHAT_TOPICS
+    from minipaged.embedded.dialogs import CHAT_TOPICS
     for topic, spec in {**TECH_TOPICS, **CHAT_TOPICS}.items():
         intents = [v for v in spec.values() if isinstance(v, dict)]
         assert intents, topic

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import minipaged
-from minipaged.corpus import build_corpus
-from minipaged.train import dialog_tokens
+from minipaged.embedded.corpus import build_corpus
+from minipaged.embedded.train import dialog_tokens
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def test_it_is_small_llama3_with_gqa_and_scaled_rope(shipped):
     assert a.n_kv_heads < a.n_heads and a.use_scaled_rope
     assert a.vocab_size == tokenizer.n_words
     assert sorted(a.stop_tokens) == sorted(tokenizer.stop_tokens)
-    assert (minipaged.checkpoint.DEFAULT_MODEL_DIR / "model.safetensors").stat().st_size <= 25 * 2**20
+    assert (minipaged.formats.DEFAULT_MODEL_DIR / "model.safetensors").stat().st_size <= 25 * 2**20
 
 
 def test_heldout_loss_is_far_below_a_unigram_baseline(shipped, corpus):
@@ -47,7 +47,7 @@ def test_heldout_loss_is_far_below_a_unigram_baseline(shipped, corpus):
             n += len(seq) - 1
     loss, unigram_loss = total / n, base / n
     assert loss < 0.5 * unigram_loss, (loss, unigram_loss)
-    report = json.loads((minipaged.checkpoint.DEFAULT_MODEL_DIR / "training.json").read_text())
+    report = json.loads((minipaged.formats.DEFAULT_MODEL_DIR / "training.json").read_text())
     assert report["heldout_loss"] < 0.5 * report["unigram_heldout_loss"]
 
 

@@ -10,6 +10,7 @@ from conftest import tiny_model
 
 from minipaged import generate
 from minipaged.cache_manager import CacheManager
+from minipaged.engine import Engine
 from minipaged.errors import MiniPagedError, OutOfBlocksError, RequestError, TraceError
 from minipaged.fragmentation import (EXTERNAL, IDLE, INTERNAL, RESERVED, TOKEN,
                                      FirstFitAllocator, KVWaste, measure_contiguous,
@@ -271,6 +272,28 @@ def test_simulator_paged_preempts_the_newest_request():
     assert r.series["token states"].tolist() == [3, 5, 4, 5, 2, 3, 4]
 
 
+def test_the_simulator_admits_by_the_schedulers_watermark_rule():
+    """Stage 4's simulator and stage 5's scheduler ask one function, kv_budget.admits. A pool of
+    10 blocks of 4: A (a 16-token prompt, 4 blocks) runs; B's 24-token prompt needs the other 6.
+    With the watermark (one block kept free) both hold B back until A has finished; without it
+    both admit B at once, and both must preempt it at the next step, when A crosses a block."""
+    model = tiny_model()
+    prompts, outputs = [16, 24], [8, 3]
+    for watermark, preemptions, first_steps in ((0.01, 0, [1, 1]), (0.0, 1, [2, 1])):
+        sim = simulate(Workload("two", np.array(prompts), np.array(outputs)), Policy("paged", 4),
+                       budget_slots=40, max_seq_len=40, watermark=watermark)
+        engine = Engine(model, num_blocks=10, block_size=4, watermark=watermark, max_seq_len=40,
+                        record=True)
+        for p, o in zip(prompts, outputs):
+            engine.add_request(list(range(1, p + 1)), o, stop_tokens=[])
+        engine.run()
+        running = [sum(s == "running" for s in rec.states.values()) for rec in engine.history]
+        assert sim.preemptions == engine.stats.preemptions == preemptions
+        assert running[:2] == sim.series["running"][:2].tolist() == first_steps
+        if watermark:                   # nobody preempted: the two agree at every step
+            assert running == sim.series["running"].tolist()
+
+
 def test_simulator_refuses_a_budget_too_small():
     wl = Workload("hand", np.array([3]), np.array([3]))
     with pytest.raises(OutOfBlocksError):
@@ -359,7 +382,7 @@ def test_paged_beats_max_length_reservation_on_sharegpt():
 # -- the command line ------------------------------------------------------------------------------
 
 def test_the_cli_prints_the_table_and_writes_the_figures(tmp_path, capsys):
-    from minipaged.fragmentation import main
+    from minipaged.benchmarks.policies import main
     assert main(["--requests", "150", "--kv-budget-tokens", "16384", "--assets",
                  str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -371,9 +394,9 @@ def test_the_cli_prints_the_table_and_writes_the_figures(tmp_path, capsys):
 
 
 def test_the_cli_reports_a_bad_trace_in_a_sentence(tmp_path, capsys):
-    from minipaged.fragmentation import main
+    from minipaged.benchmarks.policies import main
     bad = tmp_path / "trace.csv"
     bad.write_text("prompt,output\n1,2\n")
     assert main(["--workload", str(bad), "--no-plots"]) == 2
-    out = capsys.readouterr().out
-    assert "error:" in out and "prompt_len" in out and "Traceback" not in out
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "prompt_len" in err and "Traceback" not in err

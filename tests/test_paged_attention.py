@@ -1,9 +1,13 @@
-"""The PyTorch paged attention against a dense reference written here, the slow obvious way.
+"""The paged attention backends against a dense reference written here, the slow obvious way.
 
 The reference follows flash-attn's documented rules for `flash_attn_with_kvcache`: new k/v
 land at positions cache_seqlens[b] .. cache_seqlens[b] + Sk - 1 of row b, row b then has
 cache_seqlens[b] + Sk keys, and a causal query i sees key j only if j <= i + keys - Sq.
 Block tables are drawn from a shuffled pool with torch.randperm, like flash-attn's own test.
+
+Every semantic test runs on each backend a CPU can run: "torch" (the gather path) and "triton"
+(stage 3b's kernel, in Triton's interpreter without a GPU — slowly, so with fewer random
+seeds; on a CUDA machine it runs compiled, on CUDA tensors).
 """
 
 import logging
@@ -15,6 +19,25 @@ import torch
 
 from minipaged import paged_attention as pa
 from minipaged.paged_attention import flash_attn_with_kvcache
+
+BACKENDS = ["torch", "triton"]
+SEEDS = {"torch": 30, "triton": 6}        # random cases per block size
+GPU = torch.cuda.is_available()
+
+
+def on_backend(case, backend):
+    """The call's tensors where the backend runs them: CUDA for the compiled Triton kernel."""
+    if backend == "triton" and GPU:
+        return {k: (t.cuda() if torch.is_tensor(t) else t) for k, t in case.items()}
+    return case
+
+
+def attend(case, backend, **extra):
+    """flash_attn_with_kvcache on `backend`; the output, and the call's k_cache and v_cache
+    after it, on the CPU."""
+    call = on_backend(case, backend)
+    out = flash_attn_with_kvcache(**call, **extra, backend=backend).cpu()
+    return out, call["k_cache"].cpu(), call["v_cache"].cpu()
 
 
 def dense_reference(q, k_cache, v_cache, k, v, cache_seqlens, locate, causal, softmax_scale=None):
@@ -85,27 +108,31 @@ def paged_locate(block_table, block_size):
     return lambda b, p: (int(block_table[b, p // block_size]), p % block_size)
 
 
-def check_against_reference(case, lengths, locate):
+def check_against_reference(case, lengths, locate, backend):
     k_snapshot, v_snapshot = case["k_cache"].clone(), case["v_cache"].clone()
-    out = flash_attn_with_kvcache(**case, backend="torch")
+    out, k_cache, v_cache = attend(case, backend)
     expected, k_after, v_after = dense_reference(
         case["q"], k_snapshot, v_snapshot, case["k"], case["v"], lengths, locate,
         case["causal"], case["softmax_scale"])
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     # the reference starts from the snapshot: the new tokens exactly where expected, and
     # every other slot of the pool untouched
-    assert torch.equal(case["k_cache"], k_after) and torch.equal(case["v_cache"], v_after)
+    assert torch.equal(k_cache, k_after) and torch.equal(v_cache, v_after)
 
 
-@pytest.mark.parametrize("block_size", [1, 3, 16, 256])
-@pytest.mark.parametrize("seed", range(30))
-def test_paged_attention_matches_dense_reference(block_size, seed):
+CASES = [(backend, block_size, seed) for backend in BACKENDS for block_size in [1, 3, 16, 256]
+         for seed in range(SEEDS[backend])]
+
+
+@pytest.mark.parametrize("backend,block_size,seed", CASES)
+def test_paged_attention_matches_dense_reference(backend, block_size, seed):
     case, lengths = random_paged_case(1000 * block_size + seed, block_size)
-    check_against_reference(case, lengths, paged_locate(case["block_table"], block_size))
+    check_against_reference(case, lengths, paged_locate(case["block_table"], block_size), backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("seed", range(10))
-def test_non_paged_mode_with_cache_batch_idx(seed):
+def test_non_paged_mode_with_cache_batch_idx(seed, backend):
     """flash-attn's other mode: one long cache row per sequence, picked by cache_batch_idx."""
     gen = torch.Generator().manual_seed(seed)
     B, B_cache, seqlen_cache, Hk, Hq, D, Sq = 3, 5, 24, 2, 4, 8, 1 + seed % 4
@@ -119,15 +146,17 @@ def test_non_paged_mode_with_cache_batch_idx(seed):
                 cache_batch_idx=rows if seed < 7 else None)
     if case["cache_batch_idx"] is None:
         rows = torch.arange(B)
-    check_against_reference(case, lengths.tolist(), lambda b, p: (int(rows[b]), p))
+    check_against_reference(case, lengths.tolist(), lambda b, p: (int(rows[b]), p), backend)
 
 
-def test_without_cache_seqlens_every_row_is_full():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_without_cache_seqlens_every_row_is_full(backend):
     """cache_seqlens=None: each row attends to every slot its block table addresses."""
     case, _ = random_paged_case(7, 4)
     case.update(k=None, v=None, cache_seqlens=None)
     full = case["block_table"].shape[1] * 4
-    check_against_reference(case, [full] * case["q"].shape[0], paged_locate(case["block_table"], 4))
+    check_against_reference(case, [full] * case["q"].shape[0],
+                            paged_locate(case["block_table"], 4), backend)
 
 
 def owned_slots(block_table, block_size, seqlens):
@@ -136,12 +165,29 @@ def owned_slots(block_table, block_size, seqlens):
             for b, n in enumerate(seqlens) for p in range(n)}
 
 
+def garbage_case(block_size, n_new, seed=42):
+    """Rows of 5 tokens, none and two full blocks, each adding n_new: one query each (a decode
+    step) or several (a prompt continued after a cached part), over a shuffled pool."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths, Hk, Hq, D = [5, 0, 2 * block_size], 2, 4, 8
+    max_blocks = -(-(max(lengths) + n_new) // block_size) + 1
+    num_blocks = len(lengths) * max_blocks + 3
+    pool = torch.randperm(num_blocks, generator=gen, dtype=torch.int32)
+    randn = lambda *shape: torch.randn(*shape, generator=gen)
+    B = len(lengths)
+    case = dict(q=randn(B, n_new, Hq, D), k_cache=randn(num_blocks, block_size, Hk, D),
+                v_cache=randn(num_blocks, block_size, Hk, D), k=randn(B, n_new, Hk, D),
+                v=randn(B, n_new, Hk, D), cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                block_table=pool[:B * max_blocks].view(B, max_blocks), causal=True)
+    return case, lengths
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n_new", [1, 4])
 @pytest.mark.parametrize("block_size", [3, 16])
-def test_garbage_outside_owned_slots_changes_nothing(block_size):
+def test_garbage_outside_owned_slots_changes_nothing(block_size, n_new, backend):
     """Free blocks hold stale data, even NaN or inf: no row's output may depend on it."""
-    case, lengths = random_paged_case(42, block_size)
-    case.update(causal=True, cache_seqlens=torch.tensor(lengths, dtype=torch.int32))
-    n_new = 0 if case["k"] is None else case["k"].shape[1]
+    case, lengths = garbage_case(block_size, n_new)
     owned = owned_slots(case["block_table"], block_size, [n + n_new for n in lengths])
     outputs = []
     for junk in (0.0, float("nan"), float("inf"), -1e30):
@@ -151,13 +197,14 @@ def test_garbage_outside_owned_slots_changes_nothing(block_size):
                 if (blk, off) not in owned:
                     call["k_cache"][blk, off] = junk
                     call["v_cache"][blk, off] = junk
-        outputs.append(flash_attn_with_kvcache(**call, backend="torch"))
+        outputs.append(attend(call, backend)[0])
     assert torch.isfinite(outputs[0]).all()
     for other in outputs[1:]:
         assert torch.equal(outputs[0], other)
 
 
-def test_block_table_entries_past_a_row_are_never_read():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_block_table_entries_past_a_row_are_never_read(backend):
     """Table padding (-1, ids past the pool) after a row's last block is ignored."""
     gen = torch.Generator().manual_seed(3)
     bs, lengths = 16, [5, 0, 40]
@@ -167,19 +214,20 @@ def test_block_table_entries_past_a_row_are_never_read():
                 cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
                 block_table=torch.randperm(12, generator=gen, dtype=torch.int32).view(3, 4),
                 causal=True)
-    expected = flash_attn_with_kvcache(**case)
+    expected = attend(case, backend)[0]
     padded = case["block_table"].clone()
     for b, n in enumerate(lengths):
         padded[b, -(-n // bs):] = -1 if b % 2 else 10**6
-    assert torch.equal(flash_attn_with_kvcache(**{**case, "block_table": padded}), expected)
+    assert torch.equal(attend({**case, "block_table": padded}, backend)[0], expected)
 
 
-def test_bf16_cache_on_cpu():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_cache_on_cpu(backend):
     case, lengths = random_paged_case(11, 16)
     for name in ("q", "k_cache", "v_cache", "k", "v"):
         if case[name] is not None:
             case[name] = case[name].bfloat16()
-    out = flash_attn_with_kvcache(**case)
+    out = attend(case, backend)[0]
     expected, _, _ = dense_reference(case["q"], case["k_cache"], case["v_cache"], case["k"],
                                      case["v"], lengths, paged_locate(case["block_table"], 16),
                                      case["causal"], case["softmax_scale"])
@@ -226,16 +274,17 @@ BAD_CALLS = [
     ("block id past the pool", dict(block_table=torch.tensor([[0, 1], [2, 9]], dtype=torch.int32)), "points outside"),
     ("negative length", dict(cache_seqlens=torch.tensor([-2, 1], dtype=torch.int32)), ">= 0"),
     ("paged + cache_batch_idx", dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32)), "cannot be combined"),
-    ("unknown backend", dict(backend="triton"), "backend"),
+    ("unknown backend", dict(backend="xformers"), "'auto', 'flash_attn', 'torch', 'triton'"),
 ]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("label,change,message", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
-def test_wrong_inputs_raise_a_sentence(label, change, message):
-    call = base_call()
+def test_wrong_inputs_raise_a_sentence(label, change, message, backend):
+    call = on_backend({**base_call(), "backend": backend}, backend)
     k_before = call["k_cache"].clone()
     with pytest.raises(ValueError, match=message):
-        flash_attn_with_kvcache(**{**call, **change})
+        flash_attn_with_kvcache(**{**call, **on_backend(change, backend)})
     assert torch.equal(call["k_cache"], k_before)         # a refused call writes nothing
 
 
@@ -243,13 +292,19 @@ def test_wrong_inputs_raise_a_sentence(label, change, message):
     dict(rotary_cos=torch.zeros(8, 4), rotary_sin=torch.zeros(8, 4)),
     dict(window_size=(16, 0)), dict(softcap=30.0), dict(alibi_slopes=torch.ones(4)),
     dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), dict(return_softmax_lse=True)])
-def test_flash_attn_features_the_torch_path_lacks_are_refused(change):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flash_attn_features_the_torch_path_lacks_are_refused(change, backend):
     with pytest.raises(NotImplementedError, match=next(iter(change)).split("_")[0]):
-        flash_attn_with_kvcache(**base_call(), **change)
+        flash_attn_with_kvcache(**on_backend(base_call(), backend), **on_backend(change, backend),
+                                backend=backend)
 
 
-def test_flash_attn_defaults_and_perf_knobs_are_accepted():
-    call = base_call()
-    out = flash_attn_with_kvcache(**call, window_size=[-1, -1], softcap=0.0, num_splits=4,
-                                  rotary_interleaved=False, return_softmax_lse=False)
-    assert out.shape == (2, 1, 4, 8)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flash_attn_defaults_and_perf_knobs_are_accepted(backend):
+    case = base_call()
+    expected = attend(case, "torch")[0]
+    for num_splits in (0, 1, 4):
+        call = {k: (t.clone() if torch.is_tensor(t) else t) for k, t in case.items()}
+        out = attend(call, backend, window_size=[-1, -1], softcap=0.0, num_splits=num_splits,
+                     rotary_interleaved=False, return_softmax_lse=False)[0]
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

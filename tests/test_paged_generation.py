@@ -1,6 +1,9 @@
 """Stage 3: generation on the paged cache gives exactly the tokens of the contiguous cache and of
 the no-cache forward, while blocks come and go the way lesson 03 says they do.
 
+Each claim is checked twice: on stage 3's own static batch (`generate_paged`: stage 1's loop on
+a PagedCache) and on the engine that `generate(cache="paged")` runs (stages 5 and 6).
+
 Ground truth is `greedy_reference` (the whole sequence recomputed by the no-cache forward for
 every token) and, for the bookkeeping, counts derived here from the prompts and the tokens seen
 by the callback — never a number the cache reports about itself.
@@ -11,7 +14,16 @@ import torch
 from conftest import greedy_reference, tiny_model
 
 from minipaged import OutOfBlocksError, RequestError, generate
-from minipaged.paged_cache import PagedCache
+from minipaged.paged_cache import PagedCache, generate_paged
+
+PAGED = ["static", "engine"]
+
+
+def paged(how, model, prompts, n, **options):
+    """Generate on the paged cache: stage 3's static batch, or the engine."""
+    if how == "static":
+        return generate_paged(model, prompts, n, **options)
+    return generate(model, prompts, n, cache="paged", **options)
 
 
 def mixed_prompts(block_size, seed=0):
@@ -25,15 +37,16 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
+@pytest.mark.parametrize("how", PAGED)
 @pytest.mark.parametrize("block_size", [1, 16, 256])
-def test_paged_equals_contiguous_equals_no_cache(block_size):
+def test_paged_equals_contiguous_equals_no_cache(block_size, how):
     model = tiny_model(max_seq_len=1024)
     prompts = mixed_prompts(block_size)
     n = 12                # the prompt just under a block crosses into the next (at size 1, all do)
     expected = [greedy_reference(model, p, n) for p in prompts]
-    paged = generate(model, prompts, n, cache="paged", block_size=block_size, stop_tokens=[])
+    out = paged(how, model, prompts, n, block_size=block_size, stop_tokens=[])
     contiguous = generate(model, prompts, n, cache="contiguous", stop_tokens=[])
-    assert paged == expected
+    assert out == expected
     assert contiguous == expected
     crossing = [p for p in prompts if ceil_div(len(p), block_size) < ceil_div(len(p) + n, block_size)]
     assert crossing, "no sequence crossed a block boundary: the test would prove less"
@@ -48,18 +61,20 @@ def stops_at_different_steps(model, prompts, n, block_size):
     return free, sorted(stop), cut
 
 
+@pytest.mark.parametrize("how", PAGED)
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_sequences_stopping_at_different_steps(block_size):
+def test_sequences_stopping_at_different_steps(block_size, how):
     model = tiny_model()
     prompts = mixed_prompts(block_size, seed=1)
     n = 20
     free, stop, cut = stops_at_different_steps(model, prompts, n, block_size)
     assert free == [greedy_reference(model, p, n) for p in prompts]
-    assert generate(model, prompts, n, cache="paged", block_size=block_size, stop_tokens=stop) == cut
+    assert paged(how, model, prompts, n, block_size=block_size, stop_tokens=stop) == cut
     assert generate(model, prompts, n, cache="contiguous", stop_tokens=stop) == cut
 
 
-def test_blocks_follow_the_sequences_and_all_return():
+@pytest.mark.parametrize("how", PAGED)
+def test_blocks_follow_the_sequences_and_all_return(how):
     """Blocks are taken as sequences grow, freed the moment one stops while the others go on,
     every block is free at the end, and the per-layer tables differ (yet give the same tokens)."""
     bs, n = 4, 20
@@ -96,14 +111,13 @@ def test_blocks_follow_the_sequences_and_all_return():
         if token in stop or calls[seq_id] == n:
             ended_at[seq_id] = len(caches)
 
-    out = generate(model, prompts, n, cache="paged", block_size=bs, stop_tokens=stop, callback=check)
+    out = paged(how, model, prompts, n, block_size=bs, stop_tokens=stop, callback=check)
     assert out == cut
     assert seen["grew"] > 0 and seen["freed_while_others_ran"] > 0 and seen["layers_differ"] > 0
     cache = caches[-1]
     for m in cache.managers:                                  # the end: every block is free
         assert m.num_free_blocks == m.num_blocks and m.live_seq_ids() == []
-        cached = list(m.prefix.cached_free) if m.prefix is not None else []   # stage 6
-        assert sorted(m.free_blocks.ids() + cached) == list(range(m.num_blocks))
+        assert sorted(m.free_blocks.ids()) == list(range(m.num_blocks))   # no prefix caching
 
 
 def snapshot(cache):
@@ -166,35 +180,52 @@ def test_a_pool_too_small_for_everyone_waits_and_one_too_small_for_anyone_refuse
         generate(model, prompts, 8, cache="paged", block_size=4, num_blocks=longest - 1, stop_tokens=[])
 
 
-def test_a_kv_budget_sizes_the_pool():
+def test_a_static_batch_refuses_a_pool_too_small_for_everyone_before_any_work():
+    """Stage 3 alone cannot wait or preempt: it says so up front, and computes nothing."""
+    model = tiny_model()
+    prompts = mixed_prompts(4)
+    everyone = sum(-(-(len(p) + 8) // 4) for p in prompts)      # each prompt at its full length
+    calls = []
+    with pytest.raises(OutOfBlocksError, match="static batch cannot wait"):
+        generate_paged(model, prompts, 8, block_size=4, num_blocks=everyone - 1,
+                       stop_tokens=[], callback=lambda *a: calls.append(a))
+    assert calls == []
+    assert generate_paged(model, prompts, 8, block_size=4, num_blocks=everyone,
+                          stop_tokens=[]) == generate(model, prompts, 8, stop_tokens=[])
+
+
+@pytest.mark.parametrize("how", PAGED)
+def test_a_kv_budget_sizes_the_pool(how):
     model = tiny_model()
     a = model.args
     per_block = 2 * a.n_layers * 4 * a.n_kv_heads * a.head_dim * 8        # float64: 8 bytes
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     seen = []
-    out = generate(model, prompts, 6, cache="paged", block_size=4, kv_budget=7 * per_block + 5,
-                   stop_tokens=[], callback=lambda e, i, t, c: seen.append(c.num_blocks))
+    out = paged(how, model, prompts, 6, block_size=4, kv_budget=7 * per_block + 5,
+                stop_tokens=[], callback=lambda e, i, t, c: seen.append(c.num_blocks))
     assert set(seen) == {7}
     assert out == [greedy_reference(model, p, 6) for p in prompts]
 
 
-def test_seeded_sampling_is_the_same_on_both_caches():
+@pytest.mark.parametrize("how", PAGED)
+def test_seeded_sampling_is_the_same_on_both_caches(how):
     model = tiny_model()
     prompts = mixed_prompts(16, seed=3)
     kw = dict(temperature=1.0, top_p=0.9, stop_tokens=[], seed=11)
-    paged = generate(model, prompts, 15, cache="paged", block_size=16, **kw)
-    assert paged == generate(model, prompts, 15, cache="contiguous", **kw)
-    assert paged != generate(model, prompts, 15, cache="paged", block_size=16, stop_tokens=[])
+    out = paged(how, model, prompts, 15, block_size=16, **kw)
+    assert out == generate(model, prompts, 15, cache="contiguous", **kw)
+    assert out != paged(how, model, prompts, 15, block_size=16, stop_tokens=[])
 
 
-def test_bfloat16_model_on_the_paged_path():
+@pytest.mark.parametrize("how", PAGED)
+def test_bfloat16_model_on_the_paged_path(how):
     model = tiny_model(dtype=torch.bfloat16)
     prompts = mixed_prompts(16, seed=4)
     pools = []
-    paged = generate(model, prompts, 10, cache="paged", block_size=16, stop_tokens=[],
-                     callback=lambda e, i, t, c: pools.append(c.managers[0].k_cache_paged.dtype))
+    out = paged(how, model, prompts, 10, block_size=16, stop_tokens=[],
+                callback=lambda e, i, t, c: pools.append(c.managers[0].k_cache_paged.dtype))
     assert set(pools) == {torch.bfloat16}
-    assert [len(o) for o in paged] == [10] * len(prompts)
+    assert [len(o) for o in out] == [10] * len(prompts)
     # Same weights, same gathered keys and values, same attention: the same tokens as the
     # contiguous cache, bit for bit (the no-cache forward rounds differently in bf16).
-    assert paged == generate(model, prompts, 10, cache="contiguous", stop_tokens=[])
+    assert out == generate(model, prompts, 10, cache="contiguous", stop_tokens=[])

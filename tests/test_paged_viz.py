@@ -1,4 +1,5 @@
-"""The stage-3 gather drawing shows, slot by slot, which physical block each position comes from."""
+"""The stage-3 drawings: the gather shows, slot by slot, which physical block each position comes
+from; the slots each cache holds over a static batch follow its tokens."""
 
 import matplotlib
 
@@ -11,7 +12,8 @@ from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
 from minipaged import viz  # noqa: E402
 from minipaged.cache_manager import CacheManager  # noqa: E402
-from minipaged.paged_cache import PagedCache  # noqa: E402
+from minipaged.generation import generate_static  # noqa: E402
+from minipaged.paged_cache import PagedCache, generate_paged  # noqa: E402
 
 BS = 4
 # seq -> tokens after one decode step
@@ -79,3 +81,28 @@ def test_a_paged_cache_is_drawn_per_layer():
                if (p.get_gid() or "").startswith("gather-"))
     for f in figs:
         plt.close(f)
+
+
+def test_slots_held_over_a_static_batch_on_each_cache():
+    """The contiguous cache holds max_seq_len slots per row throughout; the paged cache holds
+    ceil(tokens / block_size) blocks per sequence: counts derived here from the prompts."""
+    model = tiny_model()
+    prompts, n, max_seq_len = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]], 6, 32
+    runs = {"contiguous": [], "paged": []}
+    generate_static(model, prompts, n, stop_tokens=[], max_seq_len=max_seq_len,
+                    callback=lambda e, i, t, c: runs["contiguous"].append(c.usage()))
+    generate_paged(model, prompts, n, block_size=BS, stop_tokens=[], max_seq_len=max_seq_len,
+                   callback=lambda e, i, t, c: runs["paged"].append(c.usage()))
+    fig = viz.plot_slots_held(runs)
+    lines = {line.get_gid(): list(line.get_ydata()) for line in fig.axes[0].lines}
+    # each prompt's prefill, then decode steps 1 .. n-1 of all three rows (every row now k longer)
+    stored = [sum(len(p) for p in prompts[:i + 1]) for i in range(len(prompts))]
+    held = [sum(-(-len(p) // BS) * BS for p in prompts[:i + 1]) for i in range(len(prompts))]
+    for k in range(1, n):
+        stored += [sum(len(p) + k for p in prompts)] * len(prompts)
+        held += [sum(-(-(len(p) + k) // BS) * BS for p in prompts)] * len(prompts)
+    assert set(lines) == {"held-contiguous", "held-paged", "stored-contiguous"}
+    assert lines["stored-contiguous"] == stored               # the same tokens on both caches
+    assert lines["held-paged"] == held
+    assert lines["held-contiguous"] == [len(prompts) * max_seq_len] * len(stored)
+    plt.close(fig)

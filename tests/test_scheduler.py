@@ -9,9 +9,9 @@ from conftest import tiny_model
 
 from minipaged import OutOfBlocksError, RequestError, generate
 from minipaged.cache_manager import CacheManager
-from minipaged.paged_cache import move_sequence
+from minipaged.swap import move_sequence
 from minipaged.engine import Engine
-from minipaged.generate import row_generator
+from minipaged.generation import row_generator
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +58,8 @@ def test_preempted_requests_produce_exactly_their_tokens_alone(block_size, preem
         assert st.swapped_blocks > 0 and st.swap_bytes == st.swapped_blocks * engine.block_bytes
     else:
         assert st.recomputed_tokens > 0 and st.swapped_blocks == 0
-    for m in engine.cache.managers + engine.cache.cpu_managers:   # every block back, swap empty
+    cpu = engine.swap.cpu_managers if engine.swap else []
+    for m in engine.cache.managers + cpu:                         # every block back, swap empty
         assert m.num_free_blocks == m.num_blocks and not m.live_seq_ids()
     s = engine.scheduler
     assert not (s.waiting or s.running or s.swapped)
@@ -79,6 +80,9 @@ def test_seeded_sampling_survives_preemption():
     paged = generate(model, prompts, limits, cache="paged", block_size=16, num_blocks=5, **kw)
     assert paged == together
     assert together != alone                           # sampling, not greedy
+    for preemption in ("recompute", "swap"):           # stage 5b: prompts in chunks of <= 5
+        assert generate(model, prompts, limits, cache="paged", block_size=16, num_blocks=5,
+                        preemption=preemption, max_num_batched_tokens=5, **kw) == together
 
 
 def test_generate_with_a_small_pool_admits_and_preempts_instead_of_failing():
@@ -181,14 +185,14 @@ def test_move_sequence_copies_blocks_into_new_ones_and_frees_the_old():
 def test_swap_without_room_moves_nothing_in_any_layer():
     model = tiny_model()
     engine = Engine(model, 8, 4, "swap", num_cpu_blocks=2)
-    cache = engine.cache
+    cache, swap = engine.cache, engine.swap
     cache.prepare([0], 11)                               # 3 blocks per layer
     tables = [m.block_table.clone() for m in cache.managers]
     with pytest.raises(OutOfBlocksError, match="no room .* nothing was moved"):
-        cache.swap_out(0)
+        swap.swap_out(0)
     assert all(torch.equal(t, m.block_table) for t, m in zip(tables, cache.managers))
-    assert all(m.num_free_blocks == 2 for m in cache.cpu_managers)
-    assert not cache.can_swap_out(0)
+    assert all(m.num_free_blocks == 2 for m in swap.cpu_managers)
+    assert not swap.can_swap_out(0)
 
 
 def test_bad_engine_options():
@@ -200,10 +204,12 @@ def test_bad_engine_options():
     with pytest.raises(RequestError, match="max_new_tokens"):
         generate(model, [[1], [2]], [3], cache="paged")
     engine = Engine(model, 8, 4)
-    for bad in [dict(prompt=[]), dict(max_new_tokens=-1), dict(temperature=-1), dict(top_p=0)]:
-        with pytest.raises(RequestError, match="non-empty prompt"):
+    for bad, why in [(dict(prompt=[]), "empty"), (dict(max_new_tokens=-1), "max_new_tokens"),
+                     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p")]:
+        with pytest.raises(RequestError, match=why):
             engine.add_request(**{"prompt": [1], "max_new_tokens": 2, **bad})
-    with pytest.raises(RequestError, match="larger max_seq_len"):
+    assert engine.requests == [] and not engine.has_unfinished()     # nothing was queued
+    with pytest.raises(RequestError, match="raise max_seq_len"):
         engine.add_request([1] * 250, 10)
 
 

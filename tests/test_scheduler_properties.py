@@ -1,51 +1,42 @@
-"""Stage 5: the scheduler's invariants, checked after every step of random traces.
+"""Stages 5 and 5b: the scheduler's invariants, checked after every step of random traces.
 
-The model is a fake with no weights: it writes each token's id into the cache as its key (and
-the id minus the layer as its value) and returns random logits. So the invariants can read the
-pools back and check that every running or swapped request holds exactly its own tokens, in
-order — through prefill, decode, swap-out, swap-in and recompute.
+The model is a fake with no weights (conftest.FakeModel): it writes each token's id into the
+cache as its key (and the id minus the layer as its value) and returns random logits. So the
+invariants can read the pools back and check that every running or swapped request holds
+exactly its own tokens, in order — through prefill, decode, swap-out, swap-in and recompute,
+whole or in chunks. Under a token budget (stage 5b) the fake also counts the tokens of every
+call it gets: no step runs more than the budget, in one call, and chunks only take what the
+decodes left.
 """
 
 from collections import Counter
 
 import pytest
 import torch
+from conftest import FakeModel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minipaged import ModelArgs, RequestError
+from minipaged import RequestError
+from minipaged.chunked_engine import ChunkedEngine
 from minipaged.engine import Engine
 
 STOP = 0                      # the fake model's stop token (when a trace uses one)
 
 
-class FakeModel(torch.nn.Module):
-    """Stands in for Llama: same call, same cache traffic, random next tokens."""
-
-    def __init__(self, seed: int, vocab: int = 6, n_layers: int = 2, max_seq_len: int = 64):
-        super().__init__()
-        self.args = ModelArgs(dim=2, n_layers=n_layers, n_heads=1, n_kv_heads=1,
-                              vocab_size=vocab, multiple_of=1, max_seq_len=max_seq_len)
-        self.anchor = torch.nn.Parameter(torch.zeros(1))      # the engine reads device, dtype
-        self.rng = torch.Generator().manual_seed(seed)
-
-    def forward(self, tokens, cache=None, last_only=False):
-        B, T = tokens.shape
-        ids = tokens.float()[:, :, None, None].expand(B, T, 1, 2)        # (B, T, Hk=1, D=2)
-        for layer in range(self.args.n_layers):
-            cache.attend(layer, torch.zeros_like(ids), ids.clone(), ids - layer)
-        return torch.randn(B, 1 if last_only else T, self.args.vocab_size, generator=self.rng)
-
-
-def check_pool(m, holders, layer):
+def check_pool(m, holders, layer, prefilling=()):
     """`holders` own exactly the blocks their cached tokens need, holding those very tokens;
-    no block has two owners; free + used = all."""
+    no block has two owners; free + used = all. A decoding request holds all its tokens but the
+    newest; one still prefilling (in chunks) holds a prefix of them, at least its first chunk."""
     assert m.live_seq_ids() == sorted(r.seq_id for r in holders)
     owned = []
     for r in holders:
-        n = r.num_tokens - 1                        # the newest token is not in the cache yet
+        n = int(m.seq_lens[r.seq_id])
+        if r in prefilling:
+            assert 1 <= n <= r.num_tokens - 1
+        else:
+            assert n == r.num_tokens - 1            # the newest token is not in the cache yet
         blocks = m.blocks_of(r.seq_id)
-        assert int(m.seq_lens[r.seq_id]) == n
         assert len(blocks) == -(-n // m.block_size)
         stored = m.k_cache_paged[blocks].flatten(0, 1)[:n, 0, 0]          # (n,)
         values = m.v_cache_paged[blocks].flatten(0, 1)[:n, 0, 0]
@@ -67,18 +58,38 @@ def check_invariants(engine):
     for name, q in queues.items():
         assert all(r.status == name for r in q)
     assert all(r.seq_id is None for r in list(s.waiting) + engine.pending)
-    rows = [r.seq_id for r in s.running + list(s.swapped)]
+    followers = [r for group in getattr(s, "followers", {}).values() for r in group]
+    rows = [r.seq_id for r in s.running + list(s.swapped) + followers]
     assert sorted(rows + s.free_rows) == list(range(engine.cache.managers[0].max_seqs))
+    prefilling = getattr(s, "prefilling", set())
+    assert prefilling <= set(s.running) | set(s.swapped)
+    chunked = [r for r in s.running if r in prefilling]   # at most one, the newest
+    assert chunked in ([], s.running[-1:])
     for layer, m in enumerate(engine.cache.managers):
-        check_pool(m, s.running, layer)
-    for layer, m in enumerate(engine.cache.cpu_managers):
-        check_pool(m, s.swapped, layer)
-    if not engine.cache.cpu_managers:
+        check_pool(m, s.running, layer, prefilling)
+    if engine.swap is None:
         assert not s.swapped
+    else:
+        for layer, m in enumerate(engine.swap.cpu_managers):
+            check_pool(m, s.swapped, layer, prefilling)
+
+
+def check_budget(engine, model, calls_before, decoding_before):
+    """The step just run (stage 5b): one model call of at most `max_num_batched_tokens` tokens,
+    exactly the tokens the history records; a chunk ran only if every request that was decoding
+    got its token (or lost its blocks)."""
+    budget, rec = engine.max_num_batched_tokens, engine.history[-1]
+    calls = model.calls[calls_before:]
+    ran = len(rec.decoded) + sum(rec.prefilled.values())
+    assert len(calls) <= 1 and sum(calls) == ran <= budget
+    assert all(n >= 1 for n in rec.prefilled.values())
+    if rec.prefilled:
+        preempted = {i for i, _ in rec.preempted}
+        assert decoding_before <= set(rec.decoded) | preempted
 
 
 @st.composite
-def traces(draw):
+def traces(draw, budgets=(None,)):
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
     num_blocks = draw(st.integers(1, 12))
     longest = min(24, max(2, num_blocks * block_size * 3 // 4))   # so the pool runs dry often
@@ -92,6 +103,7 @@ def traces(draw):
         max_num_seqs=draw(st.sampled_from([8, 8, 3, 1])),
         stop=draw(st.sampled_from([[], [], [STOP]])),
         seed=draw(st.integers(0, 2**16)),
+        budget=draw(st.sampled_from(budgets)),
         requests=draw(st.lists(st.tuples(st.integers(1, longest), st.integers(0, longest),
                                          st.integers(0, 8)), min_size=2, max_size=10)),
     )
@@ -100,11 +112,23 @@ def traces(draw):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces())
 def test_invariants_hold_after_every_step(trace):
+    run_trace(trace, Engine)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(budgets=(1, 1, 2, 3, 5, 8, 13, 64)))
+def test_invariants_hold_under_a_token_budget(trace):
+    run_trace(trace, ChunkedEngine, max_num_batched_tokens=trace["budget"], record=True)
+
+
+def run_trace(trace, engine_class, **options):
     torch.set_num_threads(1)
     model = FakeModel(trace["seed"])
-    engine = Engine(model, trace["num_blocks"], trace["block_size"], trace["preemption"],
-                    max_num_seqs=trace["max_num_seqs"], num_cpu_blocks=trace["num_cpu_blocks"],
-                    watermark=trace["watermark"], static_batches=trace["static_batches"])
+    engine = engine_class(model, trace["num_blocks"], trace["block_size"], trace["preemption"],
+                          max_num_seqs=trace["max_num_seqs"],
+                          num_cpu_blocks=trace["num_cpu_blocks"], watermark=trace["watermark"],
+                          static_batches=trace["static_batches"], **options)
+    budget = options.get("max_num_batched_tokens")
     gen = torch.Generator().manual_seed(trace["seed"])
     accepted = []
     for n_prompt, max_new, arrival in trace["requests"]:
@@ -120,19 +144,30 @@ def test_invariants_hold_after_every_step(trace):
 
     first_admissions, idle = [], 0
     while engine.has_unfinished():
+        assert engine.step_count < 5000, "the engine stopped making progress"
         arrived = engine.scheduler.has_unfinished() or any(
             r.arrival_step <= engine.step_count for r in engine.pending)
-        busy_before = engine.stats.busy_steps
+        busy_before, calls_before = engine.stats.busy_steps, len(model.calls)
+        decoding = {r.req_id for r in engine.scheduler.running
+                    if r not in getattr(engine.scheduler, "prefilling", ())}
         engine.step()
         check_invariants(engine)
+        if budget:
+            check_budget(engine, model, calls_before, decoding)
         # Progress: a step with any arrived request runs the model for at least one of them.
         assert engine.stats.busy_steps == busy_before + 1 or not arrived
         idle += not arrived
         for r in sorted(accepted, key=lambda r: (r.arrival_step, r.req_id)):
             if r.status not in ("waiting", "pending") and r not in first_admissions:
                 first_admissions.append(r)
-    # Every busy step samples a token that is never taken back: steps are bounded by tokens.
-    assert engine.stats.busy_steps <= sum(r.max_new_tokens for r in accepted)
+    # Every busy step samples a token that is never taken back: steps are bounded by tokens
+    # (with chunks: by tokens run, of which a step runs at least one).
+    stats = engine.stats
+    if budget:
+        assert stats.max_step_tokens <= budget
+        assert stats.busy_steps <= stats.prefill_tokens + stats.generated_tokens
+    else:
+        assert stats.busy_steps <= sum(r.max_new_tokens for r in accepted)
     started = [r for r in first_admissions if r.max_new_tokens > 0]   # first come, first served
     assert started == sorted(started, key=lambda r: (r.arrival_step, r.req_id))
 
@@ -141,7 +176,8 @@ def test_invariants_hold_after_every_step(trace):
         assert STOP not in r.output or not trace["stop"]
         if not trace["stop"]:
             assert len(r.output) == r.max_new_tokens
-    for m in engine.cache.managers + engine.cache.cpu_managers:   # all free, swap pool empty
+    cpu = engine.swap.cpu_managers if engine.swap else []
+    for m in engine.cache.managers + cpu:                         # all free, swap pool empty
         assert m.num_free_blocks == m.num_blocks and not m.live_seq_ids()
     if trace["preemption"] == "recompute":
         assert engine.stats.swapped_blocks == 0

@@ -9,9 +9,9 @@ import torch
 
 from conftest import greedy_reference, tiny_model
 from minipaged import generate
-from minipaged.engine import Engine
+from minipaged import Engine
 from minipaged.errors import RequestError
-from minipaged.generate import row_generator
+from minipaged.generation import row_generator
 
 BS = 8
 

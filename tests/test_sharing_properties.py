@@ -9,11 +9,10 @@ number per written slot) and checks the CacheManager after every operation:
   - a prefix lookup returns only blocks whose tokens, and every token before them, match.
 """
 
-import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from minipaged.cache_manager import CacheManager
+from minipaged.sharing import SharedCacheManager
 from minipaged.errors import OutOfBlocksError
 from minipaged.prefix_cache import block_hashes
 
@@ -24,7 +23,7 @@ class Model:
     """What the sequences should read: the test's own record, kept without the manager."""
 
     def __init__(self, prefix_caching):
-        self.cm = CacheManager(NUM_BLOCKS, BS, 1, 1, MAX_SEQS, MAX_BLOCKS, seed=3,
+        self.cm = SharedCacheManager(NUM_BLOCKS, BS, 1, 1, MAX_SEQS, MAX_BLOCKS, seed=3,
                                prefix_caching=prefix_caching)
         self.tokens, self.vals = {}, {}        # seq -> tokens, seq -> value written per slot
         self.full = {}                         # block -> (tokens up to its end, its values)
@@ -123,7 +122,7 @@ def test_random_programs_keep_counts_isolation_and_the_hash_chain(prefix_caching
 
 
 def test_fork_then_write_copies_the_shared_partial_block_once():
-    cm = CacheManager(8, 4, 1, 1, 4, 4, seed=0)
+    cm = SharedCacheManager(8, 4, 1, 1, 4, 4, seed=0)
     cm.reserve(0, 6)                                         # blocks [a, b], b half full
     cm.k_cache_paged[:, :, 0, 0] = 7.0
     cm.fork(0, 1)
@@ -143,7 +142,7 @@ def test_fork_then_write_copies_the_shared_partial_block_once():
 
 
 def test_a_freed_named_block_is_cached_then_evicted_least_recently_freed_first():
-    cm = CacheManager(3, 2, 1, 1, 4, 4, seed=0, prefix_caching=True)
+    cm = SharedCacheManager(3, 2, 1, 1, 4, 4, seed=0, prefix_caching=True)
     hashes = {}
     for s, tokens in enumerate([[1, 1], [2, 2]]):
         cm.reserve(s, 2)

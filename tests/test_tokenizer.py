@@ -15,9 +15,10 @@ from llama_models.datatypes import RawMessage
 from llama_models.llama3.chat_format import ChatFormat as MetaChatFormat
 from llama_models.llama3.tokenizer import Tokenizer as MetaTokenizer
 
-from minipaged import tokenizer as tokenizer_module
+from minipaged.formats import loading as tokenizer_module
 from minipaged.errors import RequestError, TokenizerError
-from minipaged.tokenizer import LLAMA3_PATTERN, ChatFormat, Tokenizer, load_tokenizer
+from minipaged.formats.tokenizer import LLAMA3_PATTERN, ChatFormat, Tokenizer
+from minipaged.formats import load_tokenizer
 
 LLAMA3_FILE = Path(llama_models.__file__).parent / "llama3" / "tokenizer.model"
 
@@ -207,8 +208,8 @@ def test_default_path(tmp_path, monkeypatch):
 
 
 def test_default_dir_is_assets_model():
-    assert tokenizer_module.DEFAULT_MODEL_DIR == Path(tokenizer_module.__file__).resolve(
-    ).parent.parent / "assets" / "model"
+    root = Path(__file__).resolve().parents[1]          # the repository
+    assert tokenizer_module.DEFAULT_MODEL_DIR == root / "assets" / "model"
 
 
 def test_rewritten_file_is_reread(tmp_path):

@@ -1,4 +1,4 @@
-"""`python -m minipaged.train` makes the shipped model: the same seed gives the same files, the
+"""`python -m minipaged.embedded.train` makes the shipped model: the same seed gives the same files, the
 tokenizer it trains is the shipped one byte for byte, and what it writes loads through the
 same `load_model` / `load_tokenizer` as a real Llama 3.
 
@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from minipaged import generate, load_model, load_tokenizer
-from minipaged.checkpoint import DEFAULT_MODEL_DIR
-from minipaged.train import train
+from minipaged.formats import DEFAULT_MODEL_DIR
+from minipaged.embedded.train import train
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """Drawings shared by the notebooks, the chat and the README: matplotlib figures, rich renderables.
-One module per stage (blocks, fragmentation, scheduling) plus training; every name is here.
+One module per stage (pool, kernel_walk, waste_plots, timeline, token_budget, shared_blocks,
+beam_tree) plus the chat's terminal views and the training curve; every name is exported here.
 
 Stage 1 (the contiguous cache): `plot_contiguous_cache` draws each sequence's reserved row of
 slots, coloured by what each slot holds — prompt, generated token, or nothing yet.
@@ -10,7 +11,14 @@ sequence's logical blocks with an arrow to the physical block holding it; `rich_
 the same picture in a terminal. Every function reads a CacheManager, never changes it.
 
 Stage 3 (paged attention): `plot_gather` draws one layer's pool slot by slot and, below it, the
-contiguous (B, L) view that attention gathers each row's scattered blocks into.
+contiguous (B, L) view that attention gathers each row's scattered blocks into;
+`plot_slots_held` draws the slots each cache holds over a static batch, beside the tokens stored.
+
+Stage 3b (inside the kernel): `plot_program_grid` (the kernel's programs, one per sequence and
+KV head, with arrows to the blocks each reads), `plot_running_softmax` (one row's running max
+and sum, block by block, from `paged_attention_v1(..., trace=...)`), `plot_partitions` (v2's
+partitions and their merge), `plot_key_layouts` (one block of keys in memory, flash-attn's
+layout and vLLM's), `plot_tiles_over_blocks` (the kernel's tiles over blocks of each size).
 
 Stage 4 (fragmentation): stacked bars of where KV memory goes per policy, block-size sweeps,
 concurrency under a budget, slot maps, and the policy table in rich.
@@ -18,26 +26,41 @@ concurrency under a budget, slot maps, and the policy table in rich.
 Stage 5 (scheduling): `plot_timeline` (a Gantt chart of requests: waiting, running, preempted,
 swapped), `plot_pool_over_time` (blocks per request, stacked, preemptions marked), both from an
 `Engine(record=True).history`; `plot_preemption_costs` (recompute vs swap); `plot_bench` and
-`plot_throughput_vs_budget` (the benchmark of `minipaged.bench`).
+`plot_throughput_vs_budget` (`python -m minipaged.benchmarks.serving`).
+
+Stage 5b (chunked prefill): `plot_token_budget` (each step a bar of the tokens it ran, split per
+request — decodes solid, prompt tokens hatched — with the budget as a line),
+`plot_token_latency` (the tokens a running request waits between two of its tokens, and the
+steps a trace took); `token_gaps`, `time_to_first_token` and `step_tokens` count them, all from
+an `Engine(record=True).history`.
 
 Stage 6 (sharing): `plot_shared_blocks` (tables pointing at shared blocks, counts written in
 the pool), `plot_copy_on_write` (before and after a write into a shared block),
 `plot_hash_chain` (a prompt's blocks and their chained hashes), `plot_sharing_savings`; all
 from `sharing_snapshot(cache_manager)`.
 
+Stage 6b (beam search): `plot_beam_tree` (the beams over time: forks, stops, pruned beams),
+`plot_beam_blocks` (blocks held per forward, shared and unshared), `plot_beam_savings` (beam
+search beside parallel sampling); from a `BeamSearch`'s `history` and `blocks_held`.
+
 The chat (`terminal`): rich views of a live cache — `pool_grid`, `block_table`, `layers_table`,
 `blocks_view` (what `/blocks` prints), `contiguous_view`, `stats_table`, `status_line`.
 """
 
-from .blocks import (EDGE_COLOR, FREE_COLOR, plot_block_tables, plot_contiguous_cache,
-                     plot_gather, plot_pool, rich_pool, seq_color)
-from .fragmentation import (KIND_COLORS, plot_block_size_sweep, plot_concurrency,
+from .pool import (EDGE_COLOR, FREE_COLOR, plot_block_tables, plot_contiguous_cache,
+                     plot_gather, plot_pool, plot_slots_held, rich_pool, seq_color)
+from .kernel_walk import (key_layout_order, plot_key_layouts, plot_partitions,
+                          plot_program_grid, plot_running_softmax, plot_tiles_over_blocks)
+from .waste_plots import (KIND_COLORS, plot_block_size_sweep, plot_concurrency,
                             plot_slot_map, plot_waste_bars, plot_waste_over_time, plot_workload,
                             rich_policy_table)
-from .scheduling import (BENCH_COLORS, STATE_COLORS, _runs, plot_bench, plot_pool_over_time,
+from .timeline import (BENCH_COLORS, STATE_COLORS, _runs, plot_bench, plot_pool_over_time,
                          plot_preemption_costs, plot_throughput_vs_budget, plot_timeline)
-from .sharing import (CACHED_COLOR, SHARED_COLOR, plot_copy_on_write, plot_hash_chain,
+from .token_budget import (CHUNK_HATCH, plot_token_budget, plot_token_latency, step_tokens,
+                           time_to_first_token, token_gaps)
+from .shared_blocks import (CACHED_COLOR, SHARED_COLOR, plot_copy_on_write, plot_hash_chain,
                       plot_shared_blocks, plot_sharing_savings, sharing_snapshot)
-from .training import plot_loss_curve
+from .beam_tree import PRUNED_COLOR, plot_beam_blocks, plot_beam_savings, plot_beam_tree
+from .loss_curve import plot_loss_curve
 from .terminal import (block_table, blocks_view, contiguous_view, layers_table, pool_grid,
                        stats_table, status_line)

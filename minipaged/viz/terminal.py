@@ -8,7 +8,12 @@ something a rich Console prints; none changes what it reads. `owners` maps a seq
 
 from __future__ import annotations
 
-from .blocks import seq_color
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from .pool import seq_color
 
 
 def _owner(owners, s):
@@ -20,8 +25,6 @@ def pool_grid(cm, owners=None, cols: int = 16, title: str = "KV block pool"):
 
     A block's cell shows its id; a block whose owner has not filled it yet is drawn in the
     owner's colour on a dark background instead of filled with it."""
-    from rich.panel import Panel
-    from rich.text import Text
     owner, filled = cm.pool_usage()
     digits = len(str(cm.num_blocks - 1))
     grid = Text()
@@ -47,7 +50,6 @@ def pool_grid(cm, owners=None, cols: int = 16, title: str = "KV block pool"):
 
 def block_table(cm, seq_id: int, owners=None):
     """A sequence's block table as `L0 -> 17 (16/16)`: logical block, physical block, fill."""
-    from rich.text import Text
     label, color, _ = _owner(owners, seq_id)
     n = int(cm.seq_lens_for([seq_id])[0])
     out = Text(f"{label}: {n} tokens in {len(cm.blocks_of(seq_id))} blocks of "
@@ -61,7 +63,6 @@ def block_table(cm, seq_id: int, owners=None):
 
 def layers_table(cache, seq_id: int, max_blocks: int = 12, max_layers: int = 8):
     """The same logical blocks in every layer: each layer's pool hands out its own blocks."""
-    from rich.table import Table
     held = [m.blocks_of(seq_id) for m in cache.managers]
     n = len(held[0])
     t = Table(title="each layer: its own pool, its own block table", title_justify="left")
@@ -81,8 +82,6 @@ def layers_table(cache, seq_id: int, max_blocks: int = 12, max_layers: int = 8):
 
 def blocks_view(cache, seq_id: int, layer: int = 0, owners=None, cols: int = 16):
     """What `/blocks` prints: the pool of one layer, the block table, the layers side by side."""
-    from rich.console import Group
-    from rich.text import Text
     if not hasattr(cache, "managers"):
         return contiguous_view(cache, seq_id)
     cm = cache.managers[layer]
@@ -96,7 +95,6 @@ def blocks_view(cache, seq_id: int, layer: int = 0, owners=None, cols: int = 16)
 
 def contiguous_view(cache, seq_id: int, width: int = 64):
     """The contiguous cache's row for this conversation: reserved up front, filled in order."""
-    from rich.text import Text
     n, total = int(cache.seq_lens[seq_id]), cache.max_seq_len
     used = min(width, -(-n * width // total)) if n else 0
     out = Text(f"contiguous cache: row {seq_id} reserves {total} slots in every layer; "
@@ -110,7 +108,6 @@ def contiguous_view(cache, seq_id: int, width: int = 64):
 
 def stats_table(rows, title: str = "KV memory of this conversation"):
     """A two-column table of (what, value) rows."""
-    from rich.table import Table
     t = Table(title=title, title_justify="left", show_header=False)
     t.add_column("what")
     t.add_column("value", justify="right")

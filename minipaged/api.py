@@ -1,0 +1,98 @@
+"""`minipaged.generate`, `minipaged.beam_search` and `minipaged.Engine`: one call above every stage.
+
+Not a stage itself: each stage runs on its own (`generation.generate_static` for stage 1,
+`paged_cache.generate_paged` for stage 3, the engines of stages 5 and 6). `generate` picks one
+by its `cache` argument, so a reader can swap caches and compare tokens one for one:
+
+    cache="contiguous"   stage 1: a static batch on the cache reserved up front
+    cache="paged"        stage 6's engine (continuous batching on shared blocks, 5 and 5b below it)
+    cache=<an object>    a static batch on that cache (a ContiguousCache, a PagedCache, ...)
+
+`beam_search` is stage 6b's own function (`beams.py`), public as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .beams import beam_search     # stage 6b's, public as it is
+from .errors import RequestError
+from .generation import check_request, generate_static, row_generator
+from .kv_budget import pool_blocks
+from .sharing_engine import SharingEngine
+
+Engine = SharingEngine      # the engine with every stage's options
+__all__ = ["Engine", "PAGED_OPTIONS", "beam_search", "generate"]
+PAGED_OPTIONS = ("block_size", "num_blocks", "kv_budget", "preemption", "num_cpu_blocks",
+                 "watermark", "backend", "max_num_seqs", "prefix_caching",
+                 "max_num_batched_tokens")
+
+
+@torch.inference_mode()
+def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: float = 0.0,
+             top_p: float = 1.0, stop_tokens=None, seed: int = 0, max_seq_len: int | None = None,
+             callback=None, n: int = 1, **paged_options):
+    """Continue each prompt (a list of token ids); return only the new tokens, in prompt order.
+
+    max_new_tokens: one int, or one per prompt. temperature=0 is greedy; sampling is seeded, and
+    prompt i draws from its own stream (`row_generator(seed, i)`), whatever the cache.
+    stop_tokens: None uses the model's, [] never stops early; a stop token ends its sequence and
+    is not returned. callback(event, seq_id, token, cache) follows every token.
+
+    cache="paged" serves the prompts on the engine; its options (`PAGED_OPTIONS`): block_size
+    (16), num_blocks or kv_budget (bytes; default: room for every sequence at once, so nobody
+    is preempted), preemption ("recompute" or "swap"), num_cpu_blocks, watermark, backend,
+    max_num_seqs, prefix_caching (False unless asked for), and max_num_batched_tokens (None:
+    whole prefills; N: no step runs more than N tokens, prompts are prefilled in chunks). A pool
+    too small for all the prompts at once makes the engine admit and preempt rather than fail.
+
+    n=K returns K samples per prompt, each entry a list of K token lists (n=1 keeps the flat
+    shape). Sample j of prompt i draws from stream i * K + j: the stream it would get if each
+    prompt were listed K times with n=1. On the paged cache the K samples share the prompt's
+    blocks; on the contiguous cache each runs alone. The tokens are the same either way.
+    """
+    if not isinstance(n, int) or n < 1:
+        raise RequestError(f"n (samples per prompt) must be a positive integer, not {n!r}")
+    unknown = sorted(set(paged_options) - set(PAGED_OPTIONS))
+    if unknown:
+        raise RequestError(f"generate() takes no option {', '.join(unknown)}; the paged cache's "
+                           f"options are {', '.join(PAGED_OPTIONS)}")
+    num_prompts = len(prompts) if isinstance(prompts, (list, tuple)) else 0
+    if cache == "paged":
+        out = _serve(model, prompts, max_new_tokens, temperature, top_p, stop_tokens, seed,
+                     max_seq_len, callback, n, **paged_options)
+    elif cache == "contiguous" or not isinstance(cache, str):
+        cache = None if cache == "contiguous" else cache
+        if n > 1:       # no blocks to share: sample j of prompt i runs alone, as row i * n + j
+            limits = check_request(model, prompts, max_new_tokens, temperature, top_p,
+                                   max_seq_len or getattr(cache, "max_seq_len", None)
+                                   or model.args.max_seq_len)
+            prompts = [p for p in prompts for _ in range(n)]
+            max_new_tokens = [m for m in limits for _ in range(n)]
+        out = generate_static(model, prompts, max_new_tokens, cache, temperature, top_p,
+                              stop_tokens, seed, max_seq_len, callback)
+    else:
+        raise RequestError(f"unknown cache {cache!r}: choose 'contiguous' or 'paged'")
+    return out if n == 1 else [out[i * n:(i + 1) * n] for i in range(num_prompts)]
+
+
+def _serve(model, prompts, max_new_tokens, temperature, top_p, stop_tokens, seed, max_seq_len,
+           callback, n, block_size: int = 16, num_blocks: int | None = None,
+           kv_budget: int | None = None, preemption: str = "recompute", **engine_options):
+    """cache="paged": every prompt becomes a request of the engine, all arriving at once
+    (with n > 1, a group of n samples that share its blocks)."""
+    max_seq_len = max_seq_len or model.args.max_seq_len
+    limits = check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_len)
+    if num_blocks is None and kv_budget is None:    # room for everything: nobody is preempted
+        lengths = [len(p) + m for p, m in zip(prompts, limits) for _ in range(n)]
+        num_blocks = pool_blocks(model.args, next(model.parameters()).dtype, block_size,
+                                 lengths=lengths)
+    engine_options.setdefault("max_num_seqs", len(prompts) * n)
+    engine = Engine(model, num_blocks, block_size, preemption, kv_budget=kv_budget,
+                    max_seq_len=max_seq_len, seed=seed, **engine_options)
+    engine.callback = callback
+    stop = model.args.stop_tokens if stop_tokens is None else stop_tokens
+    for i, (p, m) in enumerate(zip(prompts, limits)):
+        gens = [row_generator(seed, i * n + j) if temperature > 0 else None for j in range(n)]
+        engine.add_request(p, m, temperature, top_p, stop_tokens=stop, n=n, generators=gens)
+    return [r.output for r in engine.run()]

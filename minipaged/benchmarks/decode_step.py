@@ -1,0 +1,193 @@
+"""One decode step on the CPU: the paged cache (stage 3) against the contiguous cache (stage 1).
+
+    python -m minipaged.benchmarks.decode_step             # batch 16, 8 layers, dim 1024, ~1K context
+    python -m minipaged.benchmarks.decode_step --steps 10  # quicker
+    python -m minipaged.benchmarks.decode_step --profile   # torch.profiler's table, both caches
+
+Both caches run the same random-weight Llama 3 (GQA) over the same batch: sequences whose
+contexts are drawn uniformly from [--min-context, --max-context], each adding one token a step.
+Prefill is skipped — each cache is told that the prompts are stored (`prepare`) and its slots
+are filled with random keys and values — because a decode step's cost does not depend on what
+the keys are, only on how many there are and where they live.
+
+Each step is split into
+  prepare      the bookkeeping, `cache.prepare(seq_ids, 1)`: lengths, and for the paged cache
+               growing and building every layer's block table;
+  write+gather what `cache.attend` does before the attention math: storing the new k/v and
+               copying each row's keys and values into one (B, L, Hk, D) tensor;
+  attention    `attention_over_cache`, the masked attention both caches share;
+  rest         everything else in the forward: the projections, the feed-forward, the logits.
+Steps alternate between the caches, so a busy moment on a shared machine hits both alike,
+and each column shows the best (smallest) time over the steps.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rich.console import Console
+from rich.table import Table
+from torch.profiler import ProfilerActivity, profile
+
+from .. import cli, kv_cache, paged_attention
+from ..kv_cache import ContiguousCache
+from ..model import Llama, ModelArgs
+from ..paged_cache import PagedCache
+
+PARTS = ("prepare", "write+gather", "attention", "rest")   # the columns, in order
+
+
+class Timer:
+    """Seconds spent in each part of every step of one cache."""
+
+    def __init__(self):
+        self.steps = []                              # one dict of seconds per finished step
+        self.now = self._fresh()
+
+    @staticmethod
+    def _fresh():
+        return dict.fromkeys(("prepare", "attend", "attention", "step"), 0.0)
+
+    def wrap(self, part, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.now[part] += time.perf_counter() - t0
+        return timed
+
+    def end_step(self):
+        self.steps.append(self.now)
+        self.now = self._fresh()
+
+    def parts(self):
+        """Best (smallest) µs per step of each part over the steps: other processes on a shared
+        machine only ever add time, so the minimum is the steadiest estimate of a part's cost.
+        write+gather = attend minus the attention math inside it."""
+        def best(values):
+            return min(values) * 1e6
+        return {"prepare": best([s["prepare"] for s in self.steps]),
+                "write+gather": best([s["attend"] - s["attention"] for s in self.steps]),
+                "attention": best([s["attention"] for s in self.steps]),
+                "rest": best([s["step"] - s["prepare"] - s["attend"] for s in self.steps]),
+                "total": best([s["step"] for s in self.steps])}
+
+
+def build(args):
+    margs = ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                      n_kv_heads=args.kv_heads, vocab_size=args.vocab,
+                      max_seq_len=args.max_context + args.steps + 1)
+    torch.manual_seed(0)
+    model = Llama(margs).eval()
+    gen = torch.Generator().manual_seed(1)
+    contexts = torch.randint(args.min_context, args.max_context + 1, (args.batch,),
+                             generator=gen).tolist()
+    seq_ids = list(range(args.batch))
+    need = sum(-(-(c + args.steps + 1) // args.block_size) for c in contexts)
+    caches = {
+        "contiguous": ContiguousCache(margs, args.batch, margs.max_seq_len),
+        "paged": PagedCache(margs, num_blocks=need + args.batch, block_size=args.block_size,
+                            max_seqs=args.batch, max_seq_len=margs.max_seq_len, backend="torch"),
+    }
+    for cache in caches.values():                # "prefill": the prompts are stored, at random
+        for i, c in zip(seq_ids, contexts):
+            cache.prepare([i], c)
+    pools = caches["contiguous"].k_cache + caches["contiguous"].v_cache + [
+        t for m in caches["paged"].managers for t in (m.k_cache_paged, m.v_cache_paged)]
+    for t in pools:
+        t.normal_(generator=gen)
+    return model, caches, seq_ids, contexts
+
+
+def step(model, cache, seq_ids, tokens, timer):
+    t0 = time.perf_counter()
+    timer.wrap("prepare", cache.prepare)(seq_ids, 1)
+    model(tokens, cache=cache)
+    timer.now["step"] += time.perf_counter() - t0
+    timer.end_step()
+
+
+@cli.program
+def main(argv=None):
+    p = cli.ArgumentParser(prog="python -m minipaged.benchmarks.decode_step",
+                           description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=cli.whole(1), default=16)
+    p.add_argument("--layers", type=int, default=8)            # (ModelArgs checks the shape)
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--min-context", type=cli.whole(1), default=512)
+    p.add_argument("--max-context", type=cli.whole(1), default=1536)
+    p.add_argument("--block-size", type=cli.whole(1), default=16)
+    p.add_argument("--steps", type=cli.whole(1), default=30, help="timed decode steps per cache")
+    p.add_argument("--warmup", type=cli.whole(0), default=2)
+    p.add_argument("--threads", type=cli.whole(1), default=1,
+                   help="torch threads (1: steady on a shared machine, where a second thread "
+                        "that waits for a busy core stalls every op)")
+    p.add_argument("--profile", action="store_true", help="print torch.profiler's table instead")
+    args = p.parse_args(argv)
+    if args.min_context > args.max_context:
+        p.error(f"--min-context {args.min_context} is above --max-context {args.max_context}")
+    torch.set_num_threads(args.threads)
+
+
+    console = Console(width=max(Console().width, 96))     # room for the table without cutting
+    model, caches, seq_ids, contexts = build(args)
+    tokens = torch.randint(0, args.vocab, (args.batch, 1), generator=torch.Generator().manual_seed(2))
+    timers = {name: Timer() for name in caches}
+
+    if args.profile:
+        for name, cache in caches.items():
+            for _ in range(args.warmup):
+                step(model, cache, seq_ids, tokens, Timer())
+            with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    step(model, cache, seq_ids, tokens, Timer())
+            console.print(f"[bold]{name}[/bold]: 5 decode steps")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+        return
+
+    # Time the attention math inside each cache's `attend` by wrapping the one function both
+    # call; the wrapper is swapped per cache so each timer sees only its own calls.
+    original = kv_cache.attention_over_cache
+    with torch.inference_mode():
+        for i in range(args.warmup + args.steps):
+            order = list(caches.items())[::1 if i % 2 else -1]   # interleaved, each first in turn
+            for name, cache in order:
+                timer = timers[name] if i >= args.warmup else Timer()
+                cache.attend = timer.wrap("attend", type(cache).attend.__get__(cache))
+                kv_cache.attention_over_cache = paged_attention.attention_over_cache = \
+                    timer.wrap("attention", original)
+                try:
+                    step(model, cache, seq_ids, tokens, timer)
+                finally:
+                    kv_cache.attention_over_cache = paged_attention.attention_over_cache = original
+                    del cache.attend
+
+    parts = {name: t.parts() for name, t in timers.items()}
+    ratio = parts["paged"]["total"] / parts["contiguous"]["total"]
+    console.print(f"one decode step on the CPU (fp32, {torch.get_num_threads()} thread(s)): batch "
+                  f"{args.batch}, {args.layers} layers, dim {args.dim}, {args.heads} heads / "
+                  f"{args.kv_heads} KV heads, contexts {min(contexts)}-{max(contexts)} tokens, "
+                  f"block {args.block_size}")
+    table = Table(title="µs per decode step", title_justify="left")
+    table.add_column("cache")
+    for part in (*PARTS, "step"):
+        table.add_column(part, justify="right")
+    table.add_column("÷ contiguous", justify="right")
+    for name in ("contiguous", "paged"):
+        row = parts[name]
+        table.add_row(name, *(f"{row[k]:,.0f}" for k in (*PARTS, "total")),
+                      f"{row['total'] / parts['contiguous']['total']:.2f}x")
+    console.print(table)
+    console.print(f"paged ÷ contiguous = {ratio:.2f}x per decode step (target <= 1.25x); each "
+                  f"column the best of {args.steps} interleaved steps per cache, after "
+                  f"{args.warmup} warm-up; torch {torch.__version__}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

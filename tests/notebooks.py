@@ -1,0 +1,37 @@
+"""Execute the notebooks the way the tests do, and write them back with their outputs.
+
+    python tests/notebooks.py                       # every notebook under notebooks/
+    python tests/notebooks.py notebooks/02_*.ipynb  # some of them
+
+The notebooks are committed executed, so a reader on GitHub sees every figure; run this after
+changing a notebook or the code it draws, and commit the result. Outputs are deterministic
+(seeded, no timings): running it twice writes the same text.
+"""
+
+import sys
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def execute(path: Path):
+    """The notebook at `path`, run top to bottom on the CPU in its own folder."""
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", record_timing=False,
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    nb.metadata.pop("widgets", None)
+    return nb
+
+
+def main(paths):
+    for path in paths or sorted((ROOT / "notebooks").glob("*.ipynb")):
+        path = Path(path)
+        nbformat.write(execute(path), path)
+        print(f"executed {path.relative_to(ROOT) if path.is_absolute() else path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
