@@ -19,7 +19,7 @@ trainer), `chat/` (`python -m minipaged.chat`), `viz/` (the drawings), `benchmar
 
 from . import triton_attention  # registers backend="triton" with flash_attn_with_kvcache
 from .api import Engine, beam_search, generate
-from .errors import (CheckpointError, MiniPagedError, OutOfBlocksError, RequestError,
-                     TokenizerError, TraceError)
+from .errors import (CheckpointError, MiniPagedError, NotEnoughMemoryError, OutOfBlocksError,
+                     RequestError, TokenizerError, TraceError, UsageError)
 from .formats import ChatFormat, Tokenizer, load_model, load_tokenizer, save_model
 from .model import Llama, ModelArgs

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .errors import OutOfBlocksError, RequestError
+from .kv_cache import check_memory, check_sizes, kv_bytes_per_token
 
 PAD_BLOCK = -1   # what block tables hold past a sequence's last block: "no block here"
 
@@ -68,11 +69,11 @@ class CacheManager:
     def __init__(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  max_seqs: int, max_blocks_per_seq: int, device="cpu", dtype=torch.float32,
                  seed: int = 0):
-        for name, value in [("num_blocks", num_blocks), ("block_size", block_size),
-                            ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
-                            ("max_seqs", max_seqs), ("max_blocks_per_seq", max_blocks_per_seq)]:
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise RequestError(f"{name} must be a positive integer, got {value!r}")
+        check_memory(self.pool_bytes(num_blocks, block_size, n_kv_heads, head_dim, max_seqs,
+                                     max_blocks_per_seq, dtype), device,
+                     f"a pool of {num_blocks:,} blocks of {block_size:,} tokens",
+                     block_size * kv_bytes_per_token(n_kv_heads, head_dim, dtype),
+                     f"blocks of {block_size:,} tokens")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_seqs, self.max_blocks_per_seq = max_seqs, max_blocks_per_seq
         self.device = torch.device(device)
@@ -89,6 +90,16 @@ class CacheManager:
         self._lens = self.seq_lens.numpy()                           # (max_seqs,)
         self._held = self.num_blocks_held.numpy()                    # (max_seqs,)
         self._live: set[int] = set()                                 # seq ids that exist now
+
+    @staticmethod
+    def pool_bytes(num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
+                   max_seqs: int, max_blocks_per_seq: int, dtype=torch.float32) -> int:
+        """Bytes one layer's pool is about to take: its K and V blocks and its block table.
+        RequestError first if a size is not a positive integer."""
+        check_sizes(num_blocks=num_blocks, block_size=block_size, n_kv_heads=n_kv_heads,
+                    head_dim=head_dim, max_seqs=max_seqs, max_blocks_per_seq=max_blocks_per_seq)
+        return num_blocks * block_size * kv_bytes_per_token(n_kv_heads, head_dim, dtype) + \
+            max_seqs * max_blocks_per_seq * 4                    # int32 block table
 
     # -- counts -------------------------------------------------------------------------------
     @property

@@ -25,5 +25,13 @@ class OutOfBlocksError(MiniPagedError):
     """The KV cache has no room left; nothing was allocated by the failing call."""
 
 
+class NotEnoughMemoryError(MiniPagedError):
+    """A cache asked for more memory than the machine has available; nothing was allocated."""
+
+
+class UsageError(MiniPagedError, ValueError):
+    """An argument out of range or of the wrong kind: a command-line flag, or a parameter."""
+
+
 class TraceError(MiniPagedError):
     """A request trace file (prompt and output lengths) is missing or not in a readable form."""

@@ -31,8 +31,15 @@ def sample(logits, temperature: float, top_p: float, generator=None) -> int:
 
 def row_generator(seed: int, index: int) -> torch.Generator:
     """Each prompt samples from its own seeded stream, so its tokens do not depend on which
-    other prompts share its batch — nor, in the engine of later stages, on when it runs."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + index)
+    other prompts share its batch — nor, in the engine of later stages, on when it runs.
+    (Taken modulo 2**64, the seeds torch accepts, so no seed overflows.)"""
+    return torch.Generator().manual_seed((seed * 1_000_003 + index) % 2**64)
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+    """Refuse sampling settings that mean nothing (NaN included: it fails every comparison)."""
+    if not temperature >= 0 or not 0 < top_p <= 1:
+        raise RequestError(f"need temperature >= 0 and 0 < top_p <= 1; got {temperature}, {top_p}")
 
 
 def check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_len) -> list[int]:
@@ -51,8 +58,7 @@ def check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_le
     if len(limits) != len(prompts) or not all(isinstance(m, int) and m >= 0 for m in limits):
         raise RequestError(f"max_new_tokens must be a non-negative integer, or one per prompt, "
                            f"not {max_new_tokens!r}")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise RequestError(f"need temperature >= 0 and 0 < top_p <= 1; got {temperature}, {top_p}")
+    check_sampling(temperature, top_p)
     for i, (p, m) in enumerate(zip(prompts, limits)):
         if len(p) + m > max_seq_len:
             raise RequestError(

@@ -22,6 +22,7 @@ from .cache_manager import CacheManager
 from .errors import OutOfBlocksError, RequestError
 from .generation import check_request, generate_static
 from .kv_budget import pool_blocks
+from .kv_cache import check_memory, check_sizes, kv_bytes_per_token
 from .paged_attention import attend_step, plan_step
 
 
@@ -40,7 +41,16 @@ class PagedCache:
         self.args, self.dtype = args, dtype
         self.block_size, self.max_seq_len, self.backend = block_size, max_seq_len, backend
         self.num_blocks = num_blocks
-        max_blocks = -(-max_seq_len // block_size)
+        check_sizes(num_blocks=num_blocks, block_size=block_size, max_seq_len=max_seq_len)
+        max_blocks = min(num_blocks, -(-max_seq_len // block_size))   # no table outgrows the pool
+        per_layer = CacheManager.pool_bytes(num_blocks, block_size, args.n_kv_heads, args.head_dim,
+                                            max_seqs, max_blocks, dtype)
+        check_memory(args.n_layers * per_layer, device,                # all layers, before any
+                     f"a KV pool of {num_blocks:,} blocks of {block_size:,} tokens in each of "
+                     f"{args.n_layers} layers, block tables for {max_seqs:,} sequences included",
+                     block_size * kv_bytes_per_token(args.n_kv_heads, args.head_dim, dtype,
+                                                     args.n_layers),
+                     f"blocks of {block_size:,} tokens per layer")
         self.managers = [self.new_manager(num_blocks, block_size, args.n_kv_heads, args.head_dim,
                                           max_seqs, max_blocks, device=device, dtype=dtype,
                                           seed=seed + layer)

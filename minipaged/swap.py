@@ -14,6 +14,7 @@ import torch
 
 from .cache_manager import CacheManager
 from .errors import OutOfBlocksError
+from .kv_cache import check_memory
 
 
 def move_sequence(src: CacheManager, dst: CacheManager, seq_id: int) -> tuple[list[int], list[int]]:
@@ -41,6 +42,11 @@ class SwapSpace:
         first = cache.managers[0]
         k = first.k_cache_paged
         self.cache = cache
+        per_layer = CacheManager.pool_bytes(num_cpu_blocks, cache.block_size, k.shape[2],
+                                            k.shape[3], first.max_seqs, first.max_blocks_per_seq,
+                                            k.dtype)
+        check_memory(len(cache.managers) * per_layer, "cpu", f"a CPU swap pool of "
+                     f"{num_cpu_blocks:,} blocks in each of {len(cache.managers)} layers")
         self.cpu_managers = [CacheManager(num_cpu_blocks, cache.block_size, k.shape[2],
                                           k.shape[3], first.max_seqs, first.max_blocks_per_seq,
                                           device="cpu", dtype=k.dtype, seed=seed + layer)

@@ -57,6 +57,9 @@ def synthetic(n: int, mean_prompt: float, mean_output: float, seed: int = 0,
     if n < 1 or max_seq_len < 2:
         raise TraceError(f"need at least one request and max_seq_len >= 2, got n={n}, "
                          f"max_seq_len={max_seq_len}")
+    if not (mean_prompt >= 1 and mean_output >= 1):       # (NaN fails too)
+        raise TraceError(f"mean lengths must be at least 1 token, got {mean_prompt:g} (prompt) "
+                         f"and {mean_output:g} (output)")
     rng = np.random.default_rng(seed)
     prompt = np.minimum(rng.geometric(1 / mean_prompt, n), max_seq_len - 1)   # (N,)
     output = np.minimum(rng.geometric(1 / mean_output, n), max_seq_len - prompt)
@@ -82,12 +85,13 @@ def load_trace(path, max_seq_len: int | None = None) -> Workload:
         raise TraceError(f"trace file {path} does not exist (give a .csv or .json file of "
                          f"prompt_len, output_len)")
     suffix = path.suffix.lower()
-    if suffix == ".csv":
-        rows = _read_csv(path)
-    elif suffix == ".json":
-        rows = _read_json(path)
-    else:
+    if suffix not in (".csv", ".json"):
         raise TraceError(f"{path.name}: a trace must be a .csv or .json file, not '{suffix}'")
+    try:
+        rows = _read_csv(path) if suffix == ".csv" else _read_json(path)
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
+        raise TraceError(f"cannot read {path.name} as a {suffix[1:]} trace of UTF-8 text: "
+                         f"{err}") from None
     if not rows:
         raise TraceError(f"{path.name} holds no requests")
     for where, p, o in rows:

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Llama 3 models (the embedded model is not needed for these)."""
+"""Shared fixtures: tiny random Llama 3 models (the embedded model is not needed for these),
+and a fake model with no weights whose cache holds token ids."""
 
 import os
 
@@ -48,3 +49,27 @@ def greedy_reference(model, prompt, n):
             new.append(t)
             seq.append(t)
     return new
+
+
+class FakeModel(torch.nn.Module):
+    """Stands in for Llama: same call, same cache traffic, random next tokens. It writes each
+    token's id into the cache as its key (and the id minus the layer as its value), so a test
+    can read a pool back and compare it with the tokens a sequence should hold; `calls` counts
+    the tokens of every call."""
+
+    def __init__(self, seed: int, vocab: int = 6, n_layers: int = 2, max_seq_len: int = 64):
+        super().__init__()
+        self.args = ModelArgs(dim=2, n_layers=n_layers, n_heads=1, n_kv_heads=1,
+                              vocab_size=vocab, multiple_of=1, max_seq_len=max_seq_len)
+        self.anchor = torch.nn.Parameter(torch.zeros(1))      # the engine reads device, dtype
+        self.rng = torch.Generator().manual_seed(seed)
+        self.calls = []                                       # tokens of every call, B * T
+
+    def forward(self, tokens, cache=None, last_only=False, logits_indices=None):
+        B, T = tokens.shape
+        self.calls.append(B * T)
+        ids = tokens.float()[:, :, None, None].expand(B, T, 1, 2)        # (B, T, Hk=1, D=2)
+        for layer in range(self.args.n_layers):
+            cache.attend(layer, torch.zeros_like(ids), ids.clone(), ids - layer)
+        rows = 1 if last_only else T if logits_indices is None else len(logits_indices)
+        return torch.randn(B, rows, self.args.vocab_size, generator=self.rng)

@@ -12,7 +12,6 @@ every step against what the live beams' tokens alone say.
 
 import random
 
-import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 

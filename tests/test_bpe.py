@@ -186,6 +186,7 @@ def test_progress_reports_every_merge():
 
 def test_cli(tmp_path, capsys):
     (tmp_path / "a.txt").write_text(make_corpus(7, 50), encoding="utf-8")
+    (tmp_path / "m").mkdir()
     main([str(tmp_path / "a.txt"), "--vocab-size", "300", "--out", str(tmp_path / "m" / "tok")])
     assert "300 ranks" in capsys.readouterr().out
     lines = (tmp_path / "m" / "tok").read_bytes().splitlines()

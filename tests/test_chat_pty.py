@@ -75,3 +75,20 @@ def test_a_full_pool_is_explained_and_reset_recovers():
     again = chat.say("hello!")
     assert "model>" in again and re.search(r"blocks \d/3 in use", again)
     assert chat.quit() == 0
+
+
+def test_nothing_typed_ends_the_chat():
+    """A message too long for the context is refused and changes nothing; commands with bad
+    arguments say what they take; the chat is still there to /quit."""
+    chat = Chat("--max-new-tokens", "1900")      # leaves ~140 tokens for history and message
+    chat.say("what is a block table?")
+    before = chat.say("/stats")
+    refused = chat.say("block " * 300)          # (a terminal line holds at most 4095 bytes)
+    assert "error:" in refused and "this message takes" in refused and "Traceback" not in refused
+    assert chat.say("/stats") == before
+    for bad in ("/blocks abc", "/blocks 99", "/blocks \u00b2", "/foo[/]"):
+        shown = chat.say(bad)
+        assert "Traceback" not in shown and ("0 to 3" in shown or "unknown command" in shown)
+    chat.say("/reset")
+    assert re.search(r"turns\s*│\s*0\b", chat.say("/stats"))
+    assert chat.quit() == 0

@@ -15,7 +15,6 @@ from test_sharing_generation import BS, expected, prompts_with_a_system_prompt, 
 from minipaged import Engine, RequestError, generate, viz
 from minipaged.chunked_engine import ChunkedEngine
 from minipaged.engine import Engine as Stage5Engine
-from minipaged.generation import row_generator
 
 
 def serve(engine_class, block_size, budget, preemption="recompute", **options):

@@ -398,5 +398,5 @@ def test_the_cli_reports_a_bad_trace_in_a_sentence(tmp_path, capsys):
     bad = tmp_path / "trace.csv"
     bad.write_text("prompt,output\n1,2\n")
     assert main(["--workload", str(bad), "--no-plots"]) == 2
-    out = capsys.readouterr().out
-    assert "error:" in out and "prompt_len" in out and "Traceback" not in out
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "prompt_len" in err and "Traceback" not in err

@@ -19,7 +19,7 @@ from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
 from minipaged import CheckpointError, TokenizerError, load_model, load_tokenizer
 from minipaged.formats.gguf_checkpoint import SUPPORTED_TYPES, cache_dir, dequantize
 from minipaged.formats.gguf_tokenizer import GGUFTokenizer, gpt2_byte_spelling
-from minipaged.model import ModelArgs, rope_frequencies
+from minipaged.model import rope_frequencies
 from minipaged.formats.tokenizer import ChatFormat, Tokenizer, chat_format
 
 LLAMA3_FILE = Path(llama_models.__file__).parent / "llama3" / "tokenizer.model"

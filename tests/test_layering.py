@@ -3,8 +3,8 @@
 Parsed, never imported: every module's imports are read with `ast`.
 
   * Each module at the package root is a stage of the course (its docstring opens with
-    "Stage N:"), or one of the few modules that are not: `__init__`, `api` (above every stage)
-    and `errors` (below every stage).
+    "Stage N:"), or one of the few modules that are not: `__init__`, `api` (above every stage),
+    `errors` (below every stage) and `cli` (what every command line shares; no stage uses it).
   * A stage's module imports only earlier stages, its own stage and `errors` — never a later
     stage, never `api`, never a subpackage (formats, embedded, chat, viz, benchmarks).
   * No module imports the package inside a function: such an import hides a cycle or a
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "minipaged"
-NOT_STAGES = {"__init__", "api", "errors"}
+NOT_STAGES = {"__init__", "api", "errors", "cli"}
 STAGE = re.compile(r"Stage (\d+)(b?):")
 
 
@@ -139,7 +139,7 @@ def test_no_import_cycle():
 FLOORS = {   # subpackage -> what else in the package it may import (besides itself and errors)
     "formats": {"minipaged.model"},
     "viz": {m for m in ROOT_MODULES},
-    "embedded": {"minipaged.model", "minipaged.formats", "minipaged.viz"},
+    "embedded": {"minipaged.model", "minipaged.formats", "minipaged.viz", "minipaged.cli"},
 }
 
 
@@ -156,3 +156,9 @@ def test_subpackages_keep_to_their_floor(name):
             allowed = FLOORS[sub]
             assert any(target == a or target.startswith(a + ".") for a in allowed), \
                 f"{name} imports {target}, above the {sub} subpackage's floor"
+
+
+def test_cli_sits_beside_errors():
+    """The command lines' shared conventions import nothing of the package but its errors, so
+    every program (chat, embedded, benchmarks) can use them without reaching across."""
+    assert imports("minipaged.cli") <= {"minipaged.errors"}

@@ -1,46 +1,27 @@
 """Stages 5 and 5b: the scheduler's invariants, checked after every step of random traces.
 
-The model is a fake with no weights: it writes each token's id into the cache as its key (and
-the id minus the layer as its value) and returns random logits. So the invariants can read the
-pools back and check that every running or swapped request holds exactly its own tokens, in
-order — through prefill, decode, swap-out, swap-in and recompute, whole or in chunks. Under a
-token budget (stage 5b) the fake also counts the tokens of every call it gets: no step runs more
-than the budget, in one call, and chunks only take what the decodes left.
+The model is a fake with no weights (conftest.FakeModel): it writes each token's id into the
+cache as its key (and the id minus the layer as its value) and returns random logits. So the
+invariants can read the pools back and check that every running or swapped request holds
+exactly its own tokens, in order — through prefill, decode, swap-out, swap-in and recompute,
+whole or in chunks. Under a token budget (stage 5b) the fake also counts the tokens of every
+call it gets: no step runs more than the budget, in one call, and chunks only take what the
+decodes left.
 """
 
 from collections import Counter
 
 import pytest
 import torch
+from conftest import FakeModel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minipaged import ModelArgs, RequestError
+from minipaged import RequestError
 from minipaged.chunked_engine import ChunkedEngine
 from minipaged.engine import Engine
 
 STOP = 0                      # the fake model's stop token (when a trace uses one)
-
-
-class FakeModel(torch.nn.Module):
-    """Stands in for Llama: same call, same cache traffic, random next tokens."""
-
-    def __init__(self, seed: int, vocab: int = 6, n_layers: int = 2, max_seq_len: int = 64):
-        super().__init__()
-        self.args = ModelArgs(dim=2, n_layers=n_layers, n_heads=1, n_kv_heads=1,
-                              vocab_size=vocab, multiple_of=1, max_seq_len=max_seq_len)
-        self.anchor = torch.nn.Parameter(torch.zeros(1))      # the engine reads device, dtype
-        self.rng = torch.Generator().manual_seed(seed)
-        self.calls = []                                       # tokens of every call, B * T
-
-    def forward(self, tokens, cache=None, last_only=False, logits_indices=None):
-        B, T = tokens.shape
-        self.calls.append(B * T)
-        ids = tokens.float()[:, :, None, None].expand(B, T, 1, 2)        # (B, T, Hk=1, D=2)
-        for layer in range(self.args.n_layers):
-            cache.attend(layer, torch.zeros_like(ids), ids.clone(), ids - layer)
-        rows = 1 if last_only else T if logits_indices is None else len(logits_indices)
-        return torch.randn(B, rows, self.args.vocab_size, generator=self.rng)
 
 
 def check_pool(m, holders, layer, prefilling=()):

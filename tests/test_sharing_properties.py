@@ -9,7 +9,6 @@ number per written slot) and checks the CacheManager after every operation:
   - a prefix lookup returns only blocks whose tokens, and every token before them, match.
 """
 
-import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 

@@ -19,7 +19,6 @@ SOSP 2023) reports 6-30% saved for parallel sampling and 37-66% for beam search.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -29,8 +28,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from .. import cli
 from ..beams import BeamSearch
-from ..errors import MiniPagedError
 from .serving import _load, add_model_options, sharegpt_like_trace, trace_means
 from .sharing_savings import parallel_sampling
 
@@ -96,31 +95,29 @@ def table(beams, par, caption) -> Table:
     return t
 
 
+@cli.program
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m minipaged.benchmarks.beam_savings",
-                                description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m minipaged.benchmarks.beam_savings",
+                           description=" ".join(__doc__.split("\n\n")[0].split()))
     add_model_options(p)
-    p.add_argument("--requests", type=int, default=12, help="prompts of the trace")
-    p.add_argument("--scale", type=float, default=4.0, help="divide ShareGPT's lengths by this")
-    p.add_argument("--widths", type=int, nargs="+", default=[2, 4, 6],
+    p.add_argument("--requests", type=cli.whole(1), default=12, help="prompts of the trace")
+    p.add_argument("--scale", type=cli.number(above=0), default=4.0,
+                   help="divide ShareGPT's lengths by this")
+    p.add_argument("--widths", type=cli.whole(1), nargs="+", default=[2, 4, 6],
                    help="beam widths, and parallel samples per prompt")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=cli.whole(1), default=16)
     p.add_argument("--no-parallel", action="store_true", help="skip parallel sampling")
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     console = Console(width=None if sys.stdout.isatty() else 180)
-    try:
-        model = _load(args)
-        trace, max_seq_len = sharegpt_like_trace(args.requests, args.scale,
-                                                 model.args.vocab_size - 256)
-        with torch.inference_mode():
-            beams = [beam_savings(model, trace, w, args.block_size) for w in args.widths]
-            par = [] if args.no_parallel else \
-                parallel_sampling(model, trace, args.block_size, max_seq_len, args.widths)
-    except MiniPagedError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    model = _load(args)
+    trace, max_seq_len = sharegpt_like_trace(args.requests, args.scale,
+                                             model.args.vocab_size - 256)
+    with torch.inference_mode():
+        beams = [beam_savings(model, trace, w, args.block_size) for w in args.widths]
+        par = [] if args.no_parallel else \
+            parallel_sampling(model, trace, args.block_size, max_seq_len, args.widths)
     caption = (f"{len(trace)} ShareGPT-like prompts (lengths / {args.scale:g}: "
                f"{trace_means(trace)}); block {args.block_size}; KV blocks per layer. Beam "
                f"search: one prompt at a time, no stop token, length penalty 1, blocks counted "
@@ -134,4 +131,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -18,7 +18,6 @@ with 1 head of width 1 to keep memory small; the block counts are the real ones.
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import time
@@ -28,6 +27,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from .. import cli
 from ..cache_manager import CacheManager
 from ..errors import OutOfBlocksError
 from ..kv_budget import num_blocks_for_budget
@@ -172,19 +172,25 @@ def run_minipaged(managers, batch, events, taken=None):
     return time.perf_counter() - start
 
 
+@cli.program
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--budget-gib", type=float, default=2.0)
-    p.add_argument("--repeats", type=int, default=3, help="best of this many runs each")
+    p = cli.ArgumentParser(prog="python -m minipaged.benchmarks.bookkeeping",
+                           description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=cli.whole(1), default=64)
+    p.add_argument("--layers", type=cli.whole(1), default=16)
+    p.add_argument("--block-size", type=cli.whole(1), default=16)
+    p.add_argument("--steps", type=cli.whole(1), default=400)
+    p.add_argument("--kv-budget", type=cli.size, default="2GiB",
+                   help="the KV memory the pool is sized from, all layers (default 2GiB)")
+    p.add_argument("--repeats", type=cli.whole(1), default=3, help="best of this many runs each")
     args = p.parse_args(argv)
 
     bs = args.block_size
-    num_blocks = num_blocks_for_budget(int(args.budget_gib * 2**30), bs, n_kv_heads=8,
-                                       head_dim=64, dtype=torch.bfloat16, n_layers=args.layers)
+    num_blocks = num_blocks_for_budget(args.kv_budget, bs, n_kv_heads=8, head_dim=64,
+                                       dtype=torch.bfloat16, n_layers=args.layers)
+    if args.batch > num_blocks:
+        p.error(f"--batch {args.batch} needs at least one block per sequence, but "
+                f"--kv-budget holds {num_blocks:,} blocks per layer")
     prompts, events = make_schedule(args.batch, args.steps)
     max_blocks = math.ceil(2 * 2048 / bs)     # prompt + output, both <= 2048
 
@@ -210,9 +216,8 @@ def main(argv=None):
                 fn()
             calls[name] = (time.perf_counter() - t0) / n * 1e6
     except OutOfBlocksError as err:
-        console.print(f"[red]error:[/red] {err} (here: --budget-gib {args.budget_gib} for "
-                      f"--batch {args.batch}; raise --budget-gib)", highlight=False)
-        return 2
+        raise OutOfBlocksError(f"{err} (here: --kv-budget of {args.kv_budget:,} bytes for "
+                               f"--batch {args.batch}; raise --kv-budget)") from None
 
     taken = []
     runners = {

@@ -27,7 +27,6 @@ wall clock (`--clock wall`), which also counts the time the process waited for a
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from .. import cli
 from ..chunked_engine import ChunkedEngine
 from ..embedded.train import N_RANKS, embedded_model_args
 from ..errors import MiniPagedError
@@ -124,52 +124,48 @@ def results_table(servers: list[list[Run]], title: str):
     return t
 
 
+@cli.program
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m minipaged.benchmarks.chunked_latency",
-                                description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m minipaged.benchmarks.chunked_latency",
+                           description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", help="a Llama 3 checkpoint folder (default: the embedded model)")
     p.add_argument("--random-model", action="store_true",
                    help="the embedded model's shape with random weights")
-    p.add_argument("--chats", type=int, default=8)
-    p.add_argument("--chat-prompt", type=int, default=64)
-    p.add_argument("--chat-tokens", type=int, default=256)
-    p.add_argument("--long-prompt", type=int, default=1536)
-    p.add_argument("--long-tokens", type=int, default=16)
-    p.add_argument("--long-every", type=int, default=70, help="steps between long prompts")
-    p.add_argument("--budgets", type=int, nargs="+", default=[1024, 256, 64])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3, help="rounds over the servers (default 3)")
+    p.add_argument("--chats", type=cli.whole(1), default=8)
+    p.add_argument("--chat-prompt", type=cli.whole(1), default=64)
+    p.add_argument("--chat-tokens", type=cli.whole(1), default=256)
+    p.add_argument("--long-prompt", type=cli.whole(1), default=1536)
+    p.add_argument("--long-tokens", type=cli.whole(1), default=16)
+    p.add_argument("--long-every", type=cli.whole(1), default=70,
+                   help="steps between long prompts")
+    p.add_argument("--budgets", type=cli.whole(1), nargs="+", default=[1024, 256, 64])
+    p.add_argument("--block-size", type=cli.whole(1), default=16)
+    p.add_argument("--threads", type=cli.whole(1), default=1)
+    p.add_argument("--repeats", type=cli.whole(1), default=3,
+                   help="rounds over the servers (default 3)")
     p.add_argument("--clock", choices=list(CLOCKS), default="cpu",
                    help="this process's CPU time (default) or the wall clock")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=cli.seed, default=0)
     args = p.parse_args(argv)
 
     console = Console(width=None if sys.stdout.isatty() else 150)
     torch.set_num_threads(args.threads)
-    try:
-        if any(b < 1 for b in args.budgets) or args.repeats < 1:
-            raise MiniPagedError("every budget must be a positive number of tokens, and "
-                                 "--repeats at least 1")
-        model = _load(args)
-        trace = chats_and_long_prompts(args.chats, args.chat_prompt, args.chat_tokens,
-                                       args.long_prompt, args.long_tokens, args.long_every,
-                                       model.args.vocab_size - 256, args.seed)
-        if args.chat_prompt + args.chat_tokens > model.args.max_seq_len or \
-                args.long_prompt + args.long_tokens > model.args.max_seq_len:
-            raise MiniPagedError(f"a request would pass the model's {model.args.max_seq_len} "
-                                 f"positions; shorten the prompts or the chats")
-        load = os.getloadavg()[0]
-        clock = CLOCKS[args.clock]
-        serve(model, trace[:1], 64, 1, args.block_size, clock)               # warm up
-        budgets = [None] + sorted(args.budgets, reverse=True)
-        servers = [[] for _ in budgets]
-        for _ in range(args.repeats):                  # in turn, so load drifts hit all alike
-            for repeats, b in zip(servers, budgets):
-                repeats.append(serve(model, trace, b, args.chats, args.block_size, clock))
-    except MiniPagedError as err:
-        console.print(f"error: {err}")
-        raise SystemExit(2)
+    model = _load(args)
+    trace = chats_and_long_prompts(args.chats, args.chat_prompt, args.chat_tokens,
+                                   args.long_prompt, args.long_tokens, args.long_every,
+                                   model.args.vocab_size - 256, args.seed)
+    if args.chat_prompt + args.chat_tokens > model.args.max_seq_len or \
+            args.long_prompt + args.long_tokens > model.args.max_seq_len:
+        raise MiniPagedError(f"a request would pass the model's {model.args.max_seq_len} "
+                             f"positions; shorten the prompts or the chats")
+    load = os.getloadavg()[0]
+    clock = CLOCKS[args.clock]
+    serve(model, trace[:1], 64, 1, args.block_size, clock)               # warm up
+    budgets = [None] + sorted(args.budgets, reverse=True)
+    servers = [[] for _ in budgets]
+    for _ in range(args.repeats):                  # in turn, so load drifts hit all alike
+        for repeats, b in zip(servers, budgets):
+            repeats.append(serve(model, trace, b, args.chats, args.block_size, clock))
     longs = len(trace) - args.chats
     caption = (f"{args.chats} chats ({args.chat_prompt}-token prompts, {args.chat_tokens} new "
                f"tokens) and {longs} prompts of {args.long_prompt} tokens arriving every "
@@ -188,4 +184,4 @@ def _load(args):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -23,7 +23,6 @@ and each column shows the best (smallest) time over the steps.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -32,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.profiler import ProfilerActivity, profile
 
-from .. import kv_cache, paged_attention
+from .. import cli, kv_cache, paged_attention
 from ..kv_cache import ContiguousCache
 from ..model import Llama, ModelArgs
 from ..paged_cache import PagedCache
@@ -111,24 +110,28 @@ def step(model, cache, seq_ids, tokens, timer):
     timer.end_step()
 
 
+@cli.program
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--layers", type=int, default=8)
+    p = cli.ArgumentParser(prog="python -m minipaged.benchmarks.decode_step",
+                           description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=cli.whole(1), default=16)
+    p.add_argument("--layers", type=int, default=8)            # (ModelArgs checks the shape)
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--min-context", type=int, default=512)
-    p.add_argument("--max-context", type=int, default=1536)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--steps", type=int, default=30, help="timed decode steps per cache")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--min-context", type=cli.whole(1), default=512)
+    p.add_argument("--max-context", type=cli.whole(1), default=1536)
+    p.add_argument("--block-size", type=cli.whole(1), default=16)
+    p.add_argument("--steps", type=cli.whole(1), default=30, help="timed decode steps per cache")
+    p.add_argument("--warmup", type=cli.whole(0), default=2)
+    p.add_argument("--threads", type=cli.whole(1), default=1,
                    help="torch threads (1: steady on a shared machine, where a second thread "
                         "that waits for a busy core stalls every op)")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's table instead")
     args = p.parse_args(argv)
+    if args.min_context > args.max_context:
+        p.error(f"--min-context {args.min_context} is above --max-context {args.max_context}")
     torch.set_num_threads(args.threads)
 
 
@@ -187,4 +190,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -12,49 +12,47 @@ beside the vLLM paper's Figure 2 (written to assets/ by default).
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib
 import matplotlib.pyplot as plt
 from rich.console import Console
 
-from .. import simulator, viz, workloads
-from ..errors import MiniPagedError
+from .. import cli, simulator, viz, workloads
 
 
+@cli.program
 def main(argv=None) -> int:
     """Compare every policy on one workload: a table in the terminal, figures in assets/."""
-    p = argparse.ArgumentParser(prog="python -m minipaged.benchmarks.policies",
-                                description=main.__doc__)
+    p = cli.ArgumentParser(prog="python -m minipaged.benchmarks.policies",
+                           description=main.__doc__)
     p.add_argument("--workload", default="sharegpt",
                    help="sharegpt, alpaca, or a trace file (.csv/.json of prompt_len, output_len)")
-    p.add_argument("--requests", type=int, default=2000, help="synthetic requests to draw")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-seq-len", type=int, default=2048,
+    p.add_argument("--requests", type=cli.whole(1), default=2000,
+                   help="synthetic requests to draw")
+    p.add_argument("--seed", type=cli.seed, default=0)
+    p.add_argument("--max-seq-len", type=cli.whole(2), default=2048,
                    help="what the max policy reserves per request (OPT's 2048, as in the paper)")
-    p.add_argument("--kv-budget-tokens", type=int, default=65536,
+    p.add_argument("--kv-budget-tokens", type=cli.whole(1), default=65536,
                    help="KV memory in token slots (65,536 = 8 GiB of Llama 3 8B bf16 KV)")
-    p.add_argument("--bytes-per-token", type=int, default=simulator.LLAMA3_8B_BF16_BYTES_PER_TOKEN)
-    p.add_argument("--assets", default="assets", help="folder for the PNG figures")
+    p.add_argument("--bytes-per-token", type=cli.whole(1),
+                   default=simulator.LLAMA3_8B_BF16_BYTES_PER_TOKEN)
+    p.add_argument("--assets", type=cli.output_folder, default="assets",
+                   help="folder for the PNG figures")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
     console = Console()
     if not console.is_terminal:          # piped or captured: do not squeeze the table to 80
         console = Console(width=132)
-    try:
-        wl = workloads.load(args.workload, n=args.requests, seed=args.seed,
-                            max_seq_len=args.max_seq_len)
-        results = simulator.compare(wl, args.kv_budget_tokens, args.max_seq_len,
-                                    bytes_per_slot=args.bytes_per_token)
-    except MiniPagedError as err:
-        console.print(f"[red]error:[/red] {err}")
-        return 2
+    wl = workloads.load(args.workload, n=args.requests, seed=args.seed,
+                        max_seq_len=args.max_seq_len)
+    results = simulator.compare(wl, args.kv_budget_tokens, args.max_seq_len,
+                                bytes_per_slot=args.bytes_per_token)
     console.print(viz.rich_policy_table(results, wl, args.kv_budget_tokens, args.bytes_per_token))
     if not args.no_plots:
         matplotlib.use("Agg")
         out = Path(args.assets)
-        out.mkdir(parents=True, exist_ok=True)
+        out.mkdir(exist_ok=True)
         figures = {"fragmentation_policies.png": viz.plot_waste_bars(simulator.headline(results)),
                    "fragmentation_block_size.png": viz.plot_block_size_sweep(results),
                    "fragmentation_concurrency.png": viz.plot_concurrency(results)}

@@ -23,23 +23,23 @@ drawn output length — the same work for all three.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from .. import viz
+from .. import cli, viz
 from ..embedded.train import N_RANKS, embedded_model_args
 from ..engine import Engine
-from ..errors import MiniPagedError
+from ..errors import OutOfBlocksError
 from ..formats import load_model
 from ..generation import generate_static
-from ..kv_cache import ContiguousCache, kv_bytes_per_token
+from ..kv_cache import ContiguousCache, check_memory, kv_bytes_per_token
 from ..model import Llama
 from ..workloads import SHAREGPT, synthetic
 
@@ -102,8 +102,8 @@ def serve_contiguous_static(model, trace, budget_bytes, max_seq_len) -> Result:
     batch = budget_bytes // (max_seq_len * kv_bytes_per_token(a.n_kv_heads, a.head_dim, dtype,
                                                              a.n_layers))
     if batch < 1:
-        raise ValueError(f"a budget of {budget_bytes:,} bytes cannot reserve even one "
-                         f"{max_seq_len}-token row")
+        raise OutOfBlocksError(f"a budget of {budget_bytes:,} bytes cannot reserve even one "
+                               f"{max_seq_len}-token row")
     batches, start, cpu = [], time.perf_counter(), time.process_time()
     for i in range(0, len(trace), batch):
         part = trace[i:i + batch]
@@ -159,43 +159,47 @@ def results_table(results, title: str):
     return t
 
 
+@cli.program
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m minipaged.benchmarks.serving",
-                                description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m minipaged.benchmarks.serving",
+                           description=__doc__.splitlines()[0])
     p.add_argument("--model", help="a Llama 3 checkpoint folder (default: the embedded model)")
     p.add_argument("--random-model", action="store_true",
                    help="the embedded model's shape with random weights (speed does not depend "
                         "on the weights)")
-    p.add_argument("--requests", type=int, default=120)
-    p.add_argument("--scale", type=float, default=4.0, help="divide ShareGPT's lengths by this")
-    p.add_argument("--budget-rows", type=int, default=8,
+    p.add_argument("--requests", type=cli.whole(1), default=120)
+    p.add_argument("--scale", type=cli.number(above=0), default=4.0,
+                   help="divide ShareGPT's lengths by this")
+    p.add_argument("--budget-rows", type=cli.whole(1), default=8,
                    help="KV budget, in contiguous rows of max_seq_len tokens (default 8)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=cli.whole(1), default=16)
     p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=cli.whole(1), default=1,
                    help="torch threads (default 1: a model this small gains nothing from a second "
                         "thread, and loses a lot when the cores are shared)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="compute dtype (default float32: a CPU without bf16 units runs bf16 slowly)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=cli.seed, default=0)
     p.add_argument("--sweep", action="store_true",
                    help="also serve the trace at budgets of 4, 8, 16 and 32 rows and draw it")
-    p.add_argument("--plot", default="assets/bench_throughput_vs_budget.png")
+    p.add_argument("--plot", type=cli.output_file,
+                   default=Path("assets/bench_throughput_vs_budget.png"))
     args = p.parse_args(argv)
+    if args.sweep:
+        cli.check(p, "--plot", cli.output_file, args.plot)
 
     console = Console(width=None if sys.stdout.isatty() else 120)
     torch.set_num_threads(args.threads)
-    try:
-        model = _load(args)
-    except MiniPagedError as err:
-        console.print(f"[red]{err}[/red]")
-        raise SystemExit(1)
+    model = _load(args)
     trace, max_seq_len = sharegpt_like_trace(args.requests, args.scale,
                                              model.args.vocab_size - 256, args.seed)
-    a = model.args
-    per_token = kv_bytes_per_token(a.n_kv_heads, a.head_dim, next(model.parameters()).dtype,
-                                   a.n_layers)
+    a, weight = model.args, next(model.parameters())
+    per_token = kv_bytes_per_token(a.n_kv_heads, a.head_dim, weight.dtype, a.n_layers)
     budget = args.budget_rows * max_seq_len * per_token
+    largest = max([args.budget_rows] + ([32] if args.sweep else []))
+    check_memory(largest * max_seq_len * per_token, weight.device,  # now, not after server (a)
+                 f"a KV budget of {largest} rows of {max_seq_len} tokens",
+                 max_seq_len * per_token, "rows (--budget-rows)")
     mean_in = sum(len(q) for q, _ in trace) / len(trace)
     mean_out = sum(o for _, o in trace) / len(trace)
     caption = (f"{len(trace)} requests, ShareGPT-like lengths / {args.scale:g} (mean in "
@@ -227,7 +231,7 @@ def add_model_options(p) -> None:
     p.add_argument("--random-model", action="store_true",
                    help="the embedded model's shape with random weights")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=cli.whole(1), default=1)
 
 
 def trace_means(trace) -> str:
@@ -246,4 +250,4 @@ def _load(args):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

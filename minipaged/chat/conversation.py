@@ -16,6 +16,10 @@ built from three pieces of the checkpoint's chat format, found by asking the for
 When the next turn would not fit in the model's context, the oldest exchanges are dropped. The
 tokens after them were computed attending to them, so their cached keys and values are wrong
 now: the conversation frees its blocks and prefills what is left from scratch (`rebuilt`).
+
+A turn that cannot be served — a message too long for the context even with every earlier
+exchange dropped, or too many tokens for the free blocks — is refused before anything changes:
+the history, the cached tokens and the blocks held stay exactly as they were.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 
 from ..errors import OutOfBlocksError, RequestError
 from ..formats import chat_format
-from ..generation import row_generator, sample
+from ..generation import check_sampling, row_generator, sample
 
 
 def format_pieces(fmt, system=None):
@@ -50,9 +54,10 @@ class Conversation:
 
     def __init__(self, model, tokenizer, cache, seq_id: int = 0, max_new_tokens: int = 200,
                  temperature: float = 0.0, top_p: float = 0.9, seed: int = 0, system=None):
-        if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
-            raise RequestError(f"need temperature >= 0, 0 < top_p <= 1 and max_new_tokens >= 1; "
-                               f"got {temperature}, {top_p}, {max_new_tokens}")
+        check_sampling(temperature, top_p)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
+                max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         self.model, self.tokenizer, self.cache, self.seq_id = model, tokenizer, cache, seq_id
         self.format = chat_format(tokenizer)
         self.prefix, self.opening, self.closing = format_pieces(self.format, system)
@@ -60,6 +65,7 @@ class Conversation:
         self.seed, self.system = seed, system
         self.stop = set(tokenizer.stop_tokens)
         self.max_seq_len = getattr(cache, "max_seq_len", model.args.max_seq_len)
+        self._check_context()
         self.device = next(model.parameters()).device
         self.turns = 0
         self.exchanges: list[list[list[int]]] = []   # [user tokens, reply tokens] per exchange
@@ -71,10 +77,35 @@ class Conversation:
         """The whole conversation as the model sees it (the last reply's closing included)."""
         return self.prefix + [t for pair in self.exchanges for part in pair for t in part]
 
+    @property
+    def reply_tokens(self) -> int:
+        """The most a reply adds to the history: its tokens and the closing after them."""
+        return self.max_new_tokens + len(self.closing)
+
+    def _check_context(self) -> None:
+        """Refuse settings that leave no room for even an empty message, naming the culprit:
+        the reply's length, or the system prompt."""
+        empty = len(self.user_tokens(""))                  # a message's header and closing
+        bare = len(format_pieces(self.format)[0])          # the prefix without a system prompt
+        room = self.max_seq_len - self.reply_tokens - empty
+        if bare > room:
+            raise RequestError(
+                f"a reply of up to {self.max_new_tokens} new tokens (max_new_tokens, "
+                f"--max-new-tokens) is past the context of {self.max_seq_len} tokens, which "
+                f"must also hold a message; ask for at most "
+                f"{self.max_seq_len - empty - bare - len(self.closing)}")
+        if len(self.prefix) > room:
+            raise RequestError(
+                f"the system prompt is {len(self.prefix) - bare} tokens: with a reply of up to "
+                f"{self.max_new_tokens} new tokens (--max-new-tokens) it leaves no room for a "
+                f"message in the context of {self.max_seq_len} tokens. Shorten the system "
+                f"prompt (--system) to at most {room - bare} tokens, or ask for fewer new "
+                f"tokens.")
+
     def reset(self) -> None:
-        """Forget everything and give every block back."""
+        """Forget everything and give every block back: a new conversation."""
         self._free()
-        self.exchanges, self.messages = [], []
+        self.exchanges, self.messages, self.turns = [], [], 0
 
     def _free(self) -> None:
         """Give the sequence's blocks back (also those of a step interrupted half-way)."""
@@ -93,13 +124,17 @@ class Conversation:
 
         Returns what the turn did: the reply, how many tokens the prefill processed, whether
         the history was dropped and rebuilt, and `pool_full` if blocks ran out mid-reply.
-        Raises OutOfBlocksError (nothing changed) when the pool cannot hold the new message.
+        Raises RequestError (a message too long for the context) or OutOfBlocksError (the pool
+        cannot hold it) before anything changes.
         """
         user = self.user_tokens(text)
-        dropped = self._make_room(len(user))
+        dropped = self._exchanges_to_drop(len(user))
         rebuilt = dropped > 0 and self.cached > 0
         if rebuilt:                           # the kept tokens attended to the dropped ones
+            kept = sum(len(t) for pair in self.exchanges[dropped:] for t in pair)
+            self._check_rebuild_room(len(self.prefix) + kept + len(user))
             self._free()
+        del self.exchanges[:dropped], self.messages[:2 * dropped]
         history = self.tokens
         feed = history[self.cached:] + user   # the last reply's closing, then the new message
         start = time.perf_counter()
@@ -128,18 +163,33 @@ class Conversation:
                 "new_tokens": len(answer), "seconds": seconds, "dropped": dropped,
                 "rebuilt": rebuilt, "pool_full": pool_full}
 
-    def _make_room(self, n_user: int) -> int:
-        """Drop the oldest exchanges until the history, the message and a full reply fit."""
-        dropped = 0
-        while len(self.tokens) + n_user + self.max_new_tokens > self.max_seq_len:
-            if not self.exchanges:
-                raise RequestError(
-                    f"this message is {n_user} tokens; with a reply of up to "
-                    f"{self.max_new_tokens} it does not fit in the model's context of "
-                    f"{self.max_seq_len} tokens. Send a shorter message.")
-            del self.exchanges[0], self.messages[:2]
+    def _exchanges_to_drop(self, n_user: int) -> int:
+        """How many of the oldest exchanges must go for the history, the message and a full
+        reply (closing included) to fit; RequestError if the message cannot fit even alone.
+        Changes nothing."""
+        room = self.max_seq_len - self.reply_tokens - len(self.prefix) - n_user
+        if room < 0:
+            limit = self.max_seq_len - self.reply_tokens - len(self.prefix)
+            raise RequestError(
+                f"this message takes {n_user} tokens, but beside a reply of up to "
+                f"{self.max_new_tokens} new tokens{' and the system prompt' * bool(self.system)}"
+                f" the context of {self.max_seq_len} tokens leaves room for {limit}. Send a "
+                f"shorter message; the conversation is as it was.")
+        total, dropped = len(self.tokens) - len(self.prefix), 0
+        while total > room:
+            total -= sum(len(t) for t in self.exchanges[dropped])
             dropped += 1
         return dropped
+
+    def _check_rebuild_room(self, n_tokens: int) -> None:
+        """A rebuild frees the conversation's blocks and prefills `n_tokens` from scratch:
+        refuse it (OutOfBlocksError) before freeing anything if the pool cannot hold them."""
+        managers = getattr(self.cache, "managers", None)
+        if managers is None:                  # a contiguous row always holds its max_seq_len
+            return
+        free = self.cache.num_free_blocks + len(managers[0].blocks_of(self.seq_id))
+        if managers[0].blocks_for(n_tokens) > free:
+            raise OutOfBlocksError(pool_full_message(self.cache, n_tokens, free))
 
     def _step(self, tokens, prefill: bool = False, prepared: bool = False) -> int:
         """Append `tokens` to the conversation's sequence in the cache (`prepared`: the cache's
@@ -177,11 +227,13 @@ class Conversation:
         return answer, pool_full
 
 
-def pool_full_message(cache, n_tokens: int) -> str:
-    """What to tell a chat user whose conversation no longer fits in the KV pool."""
+def pool_full_message(cache, n_tokens: int, free: int | None = None) -> str:
+    """What to tell a chat user whose conversation no longer fits in the KV pool (`free`: the
+    blocks that would be free for it, by default those free now)."""
     if not hasattr(cache, "managers"):
         return ("the contiguous cache's row is full; type /reset to start a new conversation")
-    free, total = cache.num_free_blocks, cache.num_blocks
+    free = cache.num_free_blocks if free is None else free
+    total = cache.num_blocks
     return (f"the KV pool is full: {n_tokens} more token(s) need blocks but only {free} of "
             f"{total} blocks (of {cache.block_size} tokens) are free. Type /reset to start a "
             f"new conversation and free its blocks, or restart the chat with a larger "

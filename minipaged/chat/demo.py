@@ -15,8 +15,8 @@ from rich.live import Live
 from rich.markup import escape
 
 from ..api import Engine
-from ..errors import MiniPagedError
 from ..formats import chat_format, load_model, load_tokenizer
+from ..kv_budget import pool_blocks
 from ..viz.pool import seq_color
 from ..viz.terminal import pool_grid, stats_table
 from .conversation import format_pieces
@@ -35,20 +35,20 @@ MARKS = "abcdefghijklmnopqrstuvwxyz"
 
 def run_demo(args, console) -> int:
     n = args.demo
-    if n < 1:
-        raise MiniPagedError("--demo needs at least 1 conversation")
     path = model_path(args.model)
     model = load_model(path, dtype=getattr(torch, args.dtype))
     tokenizer = load_tokenizer(path)
     fmt = chat_format(tokenizer)
     prefix, opening, closing = format_pieces(fmt, args.system)
-    if args.kv_budget is None:   # by default, room for every conversation's two turns
-        per_conv = min(model.args.max_seq_len, 2 * args.max_new_tokens + 128)
-        engine = Engine(model, n * -(-per_conv // args.block_size), args.block_size,
-                        max_num_seqs=n, seed=args.seed, prefix_caching=True)
-    else:
-        engine = Engine(model, None, args.block_size, kv_budget=args.kv_budget,
-                        max_num_seqs=n, seed=args.seed, prefix_caching=True)
+    # Room for every conversation's two turns, or less if --kv-budget holds less (the engine
+    # then preempts); a larger budget is not used.
+    per_conv = min(model.args.max_seq_len, 2 * args.max_new_tokens + 128)
+    num_blocks = n * -(-per_conv // args.block_size)
+    if args.kv_budget is not None:
+        num_blocks = min(num_blocks, pool_blocks(model.args, next(model.parameters()).dtype,
+                                                 args.block_size, kv_budget=args.kv_budget))
+    engine = Engine(model, num_blocks, args.block_size, max_num_seqs=n, seed=args.seed,
+                    prefix_caching=True)
 
     history = {c: list(prefix) for c in range(n)}           # conversation -> tokens so far
     asked = {c: 0 for c in range(n)}                        # questions sent so far

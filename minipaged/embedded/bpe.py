@@ -14,7 +14,6 @@ known token were merged when that token was made. tests/test_bpe.py checks it wi
     python -m minipaged.embedded.bpe corpus.txt --vocab-size 4000 --out tokenizer.model
 """
 
-import argparse
 import base64
 import heapq
 import time
@@ -23,6 +22,9 @@ from pathlib import Path
 
 import regex
 
+from .. import cli
+from ..errors import UsageError
+from ..formats.atomic import write_file
 from ..formats.tokenizer import LLAMA3_PATTERN
 
 
@@ -104,8 +106,9 @@ def train_bpe(texts, vocab_size, pattern=LLAMA3_PATTERN, progress=None):
     Returns {token bytes: rank}, ready for `save_tiktoken_bpe`; the 256 special tokens are not
     part of it (the Tokenizer appends them after the last rank, as Llama 3 does).
     """
-    if vocab_size < 256:
-        raise ValueError(f"vocab_size must be at least 256 (one token per byte), got {vocab_size}.")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 256:
+        raise UsageError(f"vocab_size must be at least 256 (one token per byte), got "
+                         f"{vocab_size!r}")
     merges = learn_merges(count_chunks(texts, pattern), vocab_size - 256, progress)
     return ranks_from_merges(merges)
 
@@ -119,19 +122,32 @@ def save_tiktoken_bpe(ranks, path):
     path.write_bytes(b"".join(lines))
 
 
+def read_text(path: Path) -> str:
+    """A training file's text, or a UsageError saying why it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path} is not UTF-8 text (byte {e.start:,} is not UTF-8); train "
+                         f"on text files") from None
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from None
+
+
+@cli.program
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Train a byte-level BPE tokenizer.model.")
+    parser = cli.ArgumentParser(prog="python -m minipaged.embedded.bpe",
+                                description="Train a byte-level BPE tokenizer.model.")
     parser.add_argument("files", nargs="+", type=Path, help="UTF-8 text files to train on")
     parser.add_argument("--vocab-size", type=int, default=4000)
-    parser.add_argument("--out", type=Path, default=Path("tokenizer.model"))
+    parser.add_argument("--out", type=cli.output_file, default=Path("tokenizer.model"))
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    texts = [f.read_text(encoding="utf-8") for f in args.files]
+    texts = [read_text(f) for f in args.files]
     ranks = train_bpe(texts, args.vocab_size)
-    save_tiktoken_bpe(ranks, args.out)
+    write_file(args.out, lambda p: save_tiktoken_bpe(ranks, p))
     print(f"{len(ranks)} ranks from {sum(len(t.encode()) for t in texts):,} bytes "
           f"in {time.perf_counter() - start:.1f} s -> {args.out}")
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

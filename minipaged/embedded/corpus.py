@@ -21,7 +21,6 @@ held-out user message appears verbatim in train. Everything is drawn from one
 
 from __future__ import annotations
 
-import argparse
 import random
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
+from .. import cli
 from .dialogs import (CHAT_TOPICS, CLOSERS, FOLLOWUPS, GENERIC_WHAT, OPENERS, SYSTEM_PROMPTS,
                       TECH_TOPICS)
 
@@ -248,11 +248,14 @@ def corpus_stats(corpus: Corpus) -> dict:
     return stats
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Print the demo model's training corpus stats.")
+@cli.program
+def main(argv=None) -> None:
+    parser = cli.ArgumentParser(prog="python -m minipaged.embedded.corpus",
+                                description="Print the demo model's training corpus stats.")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--samples", type=int, default=3, help="sample dialogs per split")
-    args = parser.parse_args()
+    parser.add_argument("--samples", type=cli.whole(0), default=3,
+                        help="sample dialogs per split")
+    args = parser.parse_args(argv)
     corpus = build_corpus(args.seed)
     stats = corpus_stats(corpus)
     console = Console()
@@ -282,4 +285,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -4,11 +4,18 @@ Everything it needs ships with the repository: the corpus is generated (`corpus.
 tokenizer is a byte-level BPE trained here (`bpe.py`) in Llama 3's tiktoken format, and the
 model is the Llama 3 architecture of `minipaged/model.py` (GQA, scaled rope), saved in the Hugging Face
 layout so `load_model()` reads it through the same path as a real Llama 3.
+
+    python -m minipaged.embedded.train --overwrite          # remake the shipped model in assets/
+    python -m minipaged.embedded.train --out my-model --steps 50
+
+The arguments are checked before any work; the model folder is written in a temporary folder
+beside its target and renamed onto it at the end, so an interrupted run leaves nothing behind,
+and a folder that already holds files (the shipped model, above all) is replaced only with
+--overwrite.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -18,12 +25,17 @@ import torch
 import torch.nn.functional as F
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from .. import cli
+from ..errors import UsageError
 from ..formats import DEFAULT_MODEL_DIR, ChatFormat, Tokenizer, save_model
+from ..formats.atomic import staged_folder, write_file
 from ..model import Llama, ModelArgs
 from ..viz import plot_loss_curve
 from .bpe import save_tiktoken_bpe, train_bpe
 from .corpus import build_corpus
 
+OUTPUTS = ("tokenizer.model", "config.json", "model.safetensors", "training.json",
+           "loss_curve.png")     # what a run writes in its folder (the plot unless --plot)
 N_RANKS = 4096          # BPE tokens (256 bytes + merges); Llama 3's 256 special tokens follow
 
 
@@ -67,13 +79,65 @@ def evaluate(model, stream: torch.Tensor, seq_len: int, max_windows: int = 64) -
     return sum(losses) / len(losses)
 
 
+def check_outputs(out_dir: Path, plot_path: Path | None, overwrite: bool) -> None:
+    """Refuse, before any work, outputs that cannot be written, or that would replace files
+    without `overwrite`."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"{out_dir} is a file; the model is written as a folder")
+    for path in (out_dir, plot_path):
+        if path is not None and path.parent != out_dir and not path.parent.is_dir():
+            raise UsageError(f"cannot write {path}: the folder {path.parent} does not exist")
+    held = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
+    foreign = [name for name in held if name not in OUTPUTS]
+    if foreign:                           # --overwrite replaces a model, never other files
+        raise UsageError(f"{out_dir} holds files this trainer does not write ("
+                         f"{', '.join(foreign[:4])}{' ...' if len(foreign) > 4 else ''}); "
+                         f"write the model to a new or empty folder with --out")
+    if overwrite:
+        return
+    if held:
+        what = "the shipped model" if out_dir.resolve() == DEFAULT_MODEL_DIR.resolve() else \
+            ", ".join(held[:4]) + (" ..." if len(held) > 4 else "")
+        raise UsageError(f"{out_dir} already holds {what}; pass --overwrite (overwrite=True) to "
+                         f"replace it, or write the new model to another folder with --out")
+    if plot_path is not None and plot_path.parent != out_dir and plot_path.exists():
+        raise UsageError(f"{plot_path} exists; pass --overwrite (overwrite=True) to replace it, "
+                         f"or name another file with --plot")
+
+
 def train(out_dir: Path = DEFAULT_MODEL_DIR, steps: int = 450, batch_size: int = 24,
           seq_len: int = 256, lr: float = 3e-3, seed: int = 0, threads: int = 2,
-          plot_path: Path | None = None):
+          plot_path: Path | None = None, overwrite: bool = False):
+    """Train the embedded model and write it to `out_dir` (tokenizer.model, config.json,
+    model.safetensors, training.json) and its loss curve to `plot_path` (a PNG, in `out_dir` or
+    elsewhere): all of them or, if the run fails or is interrupted, none. Existing files are
+    replaced only with `overwrite`."""
+    for name, value in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len),
+                        ("threads", threads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{name} must be a positive whole number, not {value!r}")
+    if not 0 <= seed < 2**63:
+        raise UsageError(f"seed must be a whole number from 0 to 2**63 - 1, not {seed!r}")
+    if not lr > 0:
+        raise UsageError(f"lr must be a positive number, not {lr!r}")
+    out_dir = Path(out_dir)
+    plot_path = Path(plot_path) if plot_path is not None else None
+    check_outputs(out_dir, plot_path, overwrite)
+    with staged_folder(out_dir) as staging:
+        model, tokenizer, report, history = _train(staging, steps, batch_size, seq_len, lr,
+                                                    seed, threads)
+        if plot_path is not None:        # written before the folder is renamed into place
+            fig = plot_loss_curve(history, report)
+            if plot_path.parent == out_dir:
+                fig.savefig(staging / plot_path.name, dpi=120)
+            else:
+                write_file(plot_path, lambda p: fig.savefig(p, format="png", dpi=120))
+    return model, tokenizer, report
+
+
+def _train(out_dir: Path, steps, batch_size, seq_len, lr, seed, threads):
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
 
     corpus = build_corpus(seed=seed)
@@ -136,21 +200,30 @@ def train(out_dir: Path = DEFAULT_MODEL_DIR, steps: int = 450, batch_size: int =
         report[f"{k}_perplexity"] = math.exp(report[f"{k}_loss"])
     save_model(model, out_dir, dtype=torch.bfloat16)
     (out_dir / "training.json").write_text(json.dumps(report, indent=2))
-    if plot_path is not None:
-        plot_loss_curve(history, report, plot_path)
-    return model, tokenizer, report
+    return model, tokenizer, report, history
 
 
+@cli.program
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_MODEL_DIR, help="folder to write the model to")
-    parser.add_argument("--steps", type=int, default=450)
+    parser = cli.ArgumentParser(prog="python -m minipaged.embedded.train",
+                                description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=cli.output_folder, default=DEFAULT_MODEL_DIR,
+                        help="folder to write the model to (default: the shipped model's, "
+                             "assets/model, which takes --overwrite)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace what --out and --plot hold already")
+    parser.add_argument("--steps", type=int, default=450)       # (train() checks both)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", type=Path, default=DEFAULT_MODEL_DIR.parent / "loss_curve.png")
+    parser.add_argument("--plot", type=cli.output_file,
+                        help="the loss curve, a PNG (default: assets/loss_curve.png for the "
+                             "shipped model, else loss_curve.png in --out)")
     a = parser.parse_args(argv)
-    _, _, report = train(a.out, steps=a.steps, seed=a.seed, plot_path=a.plot)
+    shipped = a.out.resolve() == DEFAULT_MODEL_DIR.resolve()
+    plot = a.plot or (a.out.parent if shipped else a.out) / "loss_curve.png"
+    _, _, report = train(a.out, steps=a.steps, seed=a.seed, plot_path=plot,
+                         overwrite=a.overwrite)
     print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

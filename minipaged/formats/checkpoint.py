@@ -7,17 +7,23 @@
 names — so `loading.load_model` builds one `Llama` from either. The embedded default model in
 `assets/model/` is stored in the Hugging Face layout, so it takes exactly the path a real
 Llama 3 does.
+
+Every value read from params.json or config.json is checked (a CheckpointError names the file
+and the key). A key that sets the model's shape (its width, layers, heads, vocabulary) must be
+there; the others, when absent, take the default of the format's own reference code (Meta's
+`ModelArgs`, transformers' `LlamaConfig`), so a file reads here as it reads there.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UsageError
 from ..model import Llama, ModelArgs
 
 # Hugging Face name -> Meta name, for the parts inside each layer.
@@ -53,58 +59,127 @@ def _llama3_stop_tokens(vocab_size):
     return [first_special + 1, first_special + 8, first_special + 9] if first_special > 0 else []
 
 
-def args_from_params(params: dict) -> ModelArgs:
-    """Meta's params.json -> ModelArgs."""
-    keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
-            "ffn_dim_multiplier", "norm_eps", "rope_theta", "use_scaled_rope", "max_seq_len")
-    args = ModelArgs(**{k: params[k] for k in keys if params.get(k) is not None})
-    if "rope_scale_factor" in params or "rope_scaling_factor" in params:
-        args.rope_scale_factor = params.get("rope_scale_factor", params.get("rope_scaling_factor"))
-    args.stop_tokens = params.get("stop_tokens") or _llama3_stop_tokens(args.vocab_size)
+REQUIRED = object()      # `setting(...)`'s default for a key with no safe default
+KINDS = {
+    "count": ("a whole number of at least 1",
+              lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+    "number": ("a positive number", lambda v: isinstance(v, (int, float))
+               and not isinstance(v, bool) and math.isfinite(v) and v > 0),
+    "flag": ("true or false", lambda v: isinstance(v, bool)),
+    "token ids": ("a token id or a list of them", lambda v: all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0
+        for t in (v if isinstance(v, list) else [v]))),
+}
+
+
+def setting(cfg: dict, key: str, kind: str, source, default=REQUIRED, nullable: bool = False):
+    """cfg[key], checked to be of `kind` (see KINDS); `default` if the key is absent (or null,
+    when `nullable`). A CheckpointError names the file and the key."""
+    if key not in cfg or (nullable and cfg[key] is None):
+        if default is REQUIRED:
+            raise CheckpointError(f"{source} lacks {key!r}, which sets the model's shape and has "
+                                  f"no default; this file is incomplete")
+        return default
+    what, valid = KINDS[kind]
+    if not valid(cfg[key]):
+        raise CheckpointError(f"{source}: {key!r} must be {what}, not {cfg[key]!r}")
+    return cfg[key]
+
+
+def model_args(source, **fields) -> ModelArgs:
+    """ModelArgs from a checkpoint's settings; the model's own checks name `source`."""
+    try:
+        return ModelArgs(**fields)
+    except UsageError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def _settings(data, source) -> dict:
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{source} holds a JSON {type(data).__name__}, not the object of "
+                              f"settings a checkpoint's config is")
+    return data
+
+
+def args_from_params(params: dict, source="params.json") -> ModelArgs:
+    """Meta's params.json -> ModelArgs (absent keys: the defaults of Meta's llama3 ModelArgs)."""
+    p = _settings(params, source)
+    args = model_args(
+        source, dim=setting(p, "dim", "count", source),
+        n_layers=setting(p, "n_layers", "count", source),
+        n_heads=setting(p, "n_heads", "count", source),
+        n_kv_heads=setting(p, "n_kv_heads", "count", source, None, nullable=True),
+        vocab_size=setting(p, "vocab_size", "count", source),
+        multiple_of=setting(p, "multiple_of", "count", source, 256),
+        ffn_dim_multiplier=setting(p, "ffn_dim_multiplier", "number", source, None,
+                                   nullable=True),
+        norm_eps=setting(p, "norm_eps", "number", source, 1e-5),
+        rope_theta=setting(p, "rope_theta", "number", source, 500000.0),
+        use_scaled_rope=setting(p, "use_scaled_rope", "flag", source, False),
+        max_seq_len=setting(p, "max_seq_len", "count", source, 8192))
+    for key in ("rope_scaling_factor", "rope_scale_factor"):       # the second wins
+        args.rope_scale_factor = setting(p, key, "number", source, args.rope_scale_factor)
+    args.stop_tokens = setting(p, "stop_tokens", "token ids", source, None, nullable=True) or \
+        _llama3_stop_tokens(args.vocab_size)
     return args
 
 
-def args_from_hf_config(cfg: dict) -> ModelArgs:
+def args_from_hf_config(cfg: dict, source="config.json") -> ModelArgs:
     """Hugging Face's config.json -> ModelArgs (rope settings from `rope_scaling` or the newer
-    `rope_parameters`; the scale factor read, never assumed)."""
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    args = ModelArgs(
-        dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
-        n_kv_heads=cfg.get("num_key_value_heads"), vocab_size=cfg["vocab_size"],
-        hidden_dim=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-5),
-        rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
-        max_seq_len=cfg.get("max_position_embeddings", 8192),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+    `rope_parameters`; the scale factor read, never assumed; absent keys: the defaults of
+    transformers' LlamaConfig)."""
+    c = _settings(cfg, source)
+    rope_key = "rope_scaling" if c.get("rope_scaling") is not None else "rope_parameters"
+    rope = c.get(rope_key) or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{source}: {rope_key!r} must be an object or null, not {rope!r}")
+    n_heads = setting(c, "num_attention_heads", "count", source)
+    args = model_args(
+        source, dim=setting(c, "hidden_size", "count", source),
+        n_layers=setting(c, "num_hidden_layers", "count", source), n_heads=n_heads,
+        n_kv_heads=setting(c, "num_key_value_heads", "count", source, n_heads, nullable=True),
+        vocab_size=setting(c, "vocab_size", "count", source),
+        hidden_dim=setting(c, "intermediate_size", "count", source),
+        norm_eps=setting(c, "rms_norm_eps", "number", source, 1e-6),
+        rope_theta=setting(c, "rope_theta", "number", source,
+                           setting(rope, "rope_theta", "number", f"{source} ({rope_key})",
+                                   10000.0)),
+        max_seq_len=setting(c, "max_position_embeddings", "count", source, 2048),
+        tie_word_embeddings=setting(c, "tie_word_embeddings", "flag", source, False),
     )
-    if rope.get("rope_type", rope.get("type")) == "llama3":
+    rope_type = rope.get("rope_type", rope.get("type"))
+    where = f"{source} ({rope_key})"
+    if rope_type == "llama3":
         args.use_scaled_rope = True
-        args.rope_scale_factor = rope["factor"]
-        args.rope_low_freq_factor = rope.get("low_freq_factor", 1.0)
-        args.rope_high_freq_factor = rope.get("high_freq_factor", 4.0)
-        args.rope_original_max_len = rope.get("original_max_position_embeddings", 8192)
-    elif rope.get("rope_type", rope.get("type")) not in (None, "default"):
-        raise CheckpointError(f"config.json asks for rope type {rope.get('rope_type')!r}; "
-                              "minipaged implements Llama 3's ('llama3') and plain rotary only")
-    if cfg.get("head_dim") not in (None, args.head_dim):
-        raise CheckpointError(f"config.json says head_dim {cfg['head_dim']} but hidden_size / "
+        args.rope_scale_factor = setting(rope, "factor", "number", where)
+        args.rope_low_freq_factor = setting(rope, "low_freq_factor", "number", where, 1.0)
+        args.rope_high_freq_factor = setting(rope, "high_freq_factor", "number", where, 4.0)
+        args.rope_original_max_len = setting(rope, "original_max_position_embeddings", "count",
+                                             where, 8192)
+    elif rope_type not in (None, "default"):
+        raise CheckpointError(f"{source} asks for rope type {rope_type!r}; minipaged "
+                              "implements Llama 3's ('llama3') and plain rotary only")
+    head_dim = setting(c, "head_dim", "count", source, None, nullable=True)
+    if head_dim not in (None, args.head_dim):
+        raise CheckpointError(f"{source} says head_dim {head_dim} but hidden_size / "
                               f"num_attention_heads is {args.head_dim}; minipaged needs them equal")
-    eos = cfg.get("eos_token_id")
+    eos = setting(c, "eos_token_id", "token ids", source, None, nullable=True)
     args.stop_tokens = ([eos] if isinstance(eos, int) else list(eos)) if eos is not None \
         else _llama3_stop_tokens(args.vocab_size)
     return args
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path):
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:        # ValueError: bad JSON, or bytes that are not UTF-8
         raise CheckpointError(f"could not read {path}: {e}") from None
 
 
 # -- reading the tensors ------------------------------------------------------------------------
 def read_meta(folder: Path):
     """(ModelArgs, state dict) of a Meta checkpoint folder."""
-    args = args_from_params(_read_json(folder / "params.json"))
+    args = args_from_params(_read_json(folder / "params.json"), folder / "params.json")
     shards = sorted(folder.glob("consolidated.*.pth"))
     if len(shards) != 1:
         raise CheckpointError(
@@ -120,10 +195,15 @@ def read_meta(folder: Path):
 
 def read_hf(folder: Path):
     """(ModelArgs, state dict with Meta's names) of a Hugging Face checkpoint folder."""
-    args = args_from_hf_config(_read_json(folder / "config.json"))
+    args = args_from_hf_config(_read_json(folder / "config.json"), folder / "config.json")
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(_read_json(index)["weight_map"].values()))
+        weight_map = _settings(_read_json(index), index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and "/" not in f
+                                                        for f in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must be an object of tensor names and "
+                                  f"the shard files (in this folder) that hold them")
+        files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
     hf = {}

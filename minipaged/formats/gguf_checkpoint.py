@@ -22,8 +22,10 @@ more, so both are cached after the first load, in one folder per GGUF file:
         metadata.json              the metadata and tensor shapes
         weights-<dtype>.safetensors  the dequantized weights, Meta's names, one file per dtype
 
-A file whose size, modification time or inode changed is read again. Clear the cache with
-`rm -rf ~/.cache/minipaged/gguf` (or `$XDG_CACHE_HOME/minipaged/gguf`).
+A file whose size, modification time or inode changed is read again. Each cache file is
+written under a temporary name and renamed (`atomic.py`), so a load stopped half-way (Ctrl-C,
+a kill) never leaves half a file; the temporaries of a killed load are removed by the next.
+Clear the cache with `rm -rf ~/.cache/minipaged/gguf` (or `$XDG_CACHE_HOME/minipaged/gguf`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -43,10 +44,12 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError
 from ..model import ModelArgs
+from .atomic import remove_orphans, write_file
+from .checkpoint import model_args
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1      # bump when what the cache holds changes
+CACHE_FORMAT = 2      # bump when what the cache holds changes (2: temporaries name their writer)
 GGUF_MAGIC = b"GGUF"
 
 # The quantization types we dequantize (all through gguf.quants): plain floats, the classic
@@ -168,10 +171,11 @@ def args_from_gguf(meta: dict, source="the GGUF file") -> ModelArgs:
                                   "minipaged needs one value")
         n_kv_heads = n_kv_heads[0]
     tensors = meta["tensors"]
-    args = ModelArgs(
-        dim=need("llama.embedding_length"), n_layers=need("llama.block_count"),
+    embedding = tensors.get("token_embd.weight", {}).get("shape", [None])
+    args = model_args(
+        source, dim=need("llama.embedding_length"), n_layers=need("llama.block_count"),
         n_heads=n_heads, n_kv_heads=n_kv_heads,
-        vocab_size=meta.get("llama.vocab_size") or tensors["token_embd.weight"]["shape"][0],
+        vocab_size=meta.get("llama.vocab_size") or embedding[0],
         hidden_dim=need("llama.feed_forward_length"),
         norm_eps=meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=meta.get("llama.rope.freq_base", 10000.0),
@@ -215,18 +219,6 @@ def _cache_valid(file: Path) -> bool:
         return False
 
 
-def _write_atomic(path: Path, write) -> None:
-    """Write through a temporary file and rename it, so a crash never leaves half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def _save_cache(file: Path, meta: dict, state: dict | None = None, dtype=None) -> None:
     folder = cache_dir(file)
     try:
@@ -234,10 +226,10 @@ def _save_cache(file: Path, meta: dict, state: dict | None = None, dtype=None) -
             folder.mkdir(parents=True, exist_ok=True)
             for old in folder.iterdir():
                 old.unlink()
-            _write_atomic(folder / "metadata.json", lambda p: Path(p).write_text(json.dumps(meta)))
-            _write_atomic(folder / "source.json", lambda p: Path(p).write_text(json.dumps(_stamp(file))))
+            write_file(folder / "metadata.json", lambda p: Path(p).write_text(json.dumps(meta)))
+            write_file(folder / "source.json", lambda p: Path(p).write_text(json.dumps(_stamp(file))))
         if state is not None:
-            _write_atomic(folder / f"weights-{_dtype_name(dtype)}.safetensors",
+            write_file(folder / f"weights-{_dtype_name(dtype)}.safetensors",
                           lambda p: save_file(state, p))
     except OSError as e:
         log.warning("could not cache %s in %s (%s); it will be read again next time", file, folder, e)
@@ -251,6 +243,7 @@ def _dtype_name(dtype) -> str:
 def gguf_metadata(file) -> dict:
     """The metadata of a GGUF file (from the cache when it is fresh): every key, and `tensors`."""
     file = Path(file)
+    remove_orphans(cache_dir(file))
     if _cache_valid(file):
         try:
             return json.loads((cache_dir(file) / "metadata.json").read_text())
@@ -266,6 +259,7 @@ def read_gguf(file, dtype=None):
     (default float32), from the cache when it is fresh."""
     file = Path(file)
     dtype = dtype or torch.float32
+    remove_orphans(cache_dir(file))
     weights = cache_dir(file) / f"weights-{_dtype_name(dtype)}.safetensors"
     if _cache_valid(file) and weights.is_file():
         try:

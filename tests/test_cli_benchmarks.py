@@ -1,0 +1,116 @@
+"""Bad input to the benchmarks (`python -m minipaged.benchmarks.<name>`): every one refused
+with one `error: ...` line and exit 2 before any work (a KV budget the machine cannot hold
+included), nothing written; a small run of each cheap one still works."""
+
+import pytest
+from cli_probes import answered, refused, run_many
+
+CASES = {   # module: {argv: what the error line names (None: answered)}
+    "policies": {
+        ("--requests", "0"): ["--requests"],
+        ("--requests", "-5"): ["--requests"],
+        ("--kv-budget-tokens", "0"): ["--kv-budget-tokens"],
+        ("--max-seq-len", "0"): ["--max-seq-len"],
+        ("--bytes-per-token", "0"): ["--bytes-per-token"],
+        ("--seed", "-1"): ["--seed"],
+        ("--workload", "/nonexistent/trace.csv"): ["does not exist"],
+        ("--workload", "nope"): ["nope"],
+        ("--workload", "BINARY_CSV"): ["cannot read", "UTF-8"],
+        ("--workload", "NEGATIVE_CSV"): ["output_len", "-5"],
+        ("--assets", "/proc/figures", "--requests", "50"): ["--assets", "cannot write"],
+        ("--requests", "50", "--no-plots"): None,
+    },
+    "serving": {
+        ("--random-model", "--requests", "0"): ["--requests"],
+        ("--random-model", "--scale", "0"): ["--scale"],
+        ("--random-model", "--scale", "nan"): ["--scale"],
+        ("--random-model", "--scale", "1000"): ["mean lengths"],
+        ("--random-model", "--budget-rows", "0"): ["--budget-rows"],
+        ("--random-model", "--block-size", "0"): ["--block-size"],
+        ("--random-model", "--threads", "0"): ["--threads"],
+        ("--random-model", "--budget-rows", "100000000"): ["needs", "available",
+                                                           "rows (--budget-rows)"],
+        ("--random-model", "--sweep", "--plot", "/nonexistent/x.png"): ["--plot"],
+        ("--model", "/nonexistent/model"): ["/nonexistent/model"],
+        ("--random-model", "--requests", "3", "--budget-rows", "1"): None,
+    },
+    "bookkeeping": {
+        ("--batch", "0"): ["--batch"],
+        ("--layers", "0"): ["--layers"],
+        ("--steps", "0"): ["--steps"],
+        ("--repeats", "0"): ["--repeats"],
+        ("--block-size", "0"): ["--block-size"],
+        ("--kv-budget", "0"): ["--kv-budget"],
+        ("--kv-budget", "1TiB"): ["--kv-budget", "not a size"],
+        ("--kv-budget", "100B"): ["holds no block"],
+        ("--batch", "100000000", "--steps", "5"): ["--batch", "blocks per layer"],
+        ("--steps", "5", "--repeats", "1", "--batch", "8", "--layers", "2"): None,
+    },
+    "decode_step": {
+        ("--batch", "0"): ["--batch"],
+        ("--layers", "0"): ["n_layers"],
+        ("--heads", "3"): ["heads must split evenly"],
+        ("--kv-heads", "3"): ["heads must split evenly"],
+        ("--min-context", "100", "--max-context", "50"): ["--min-context"],
+        ("--steps", "0"): ["--steps"],
+        ("--block-size", "0"): ["--block-size"],
+        ("--vocab", "0"): ["vocab_size"],
+        ("--threads", "0"): ["--threads"],
+        ("--max-context", str(10 ** 12)): ["needs", "available"],
+        ("--batch", "2", "--layers", "1", "--dim", "64", "--heads", "4", "--kv-heads", "2",
+         "--min-context", "8", "--max-context", "16", "--steps", "2", "--warmup", "0"): None,
+    },
+    "sharing_savings": {
+        ("--random-model", "--samples", "0"): ["--samples"],
+        ("--random-model", "--requests", "0"): ["--requests"],
+        ("--random-model", "--scale", "0"): ["--scale"],
+        ("--random-model", "--block-size", "0"): ["--block-size"],
+        ("--random-model", "--chats", "0"): ["--chats"],
+        ("--random-model", "--turns", "0"): ["--turns"],
+        ("--random-model", "--new-tokens", "0"): ["--new-tokens"],
+        ("--random-model", "--threads", "0"): ["--threads"],
+        ("--model", "/nonexistent/model"): ["/nonexistent/model"],
+    },
+    "beam_savings": {
+        ("--random-model", "--requests", "0"): ["--requests"],
+        ("--random-model", "--scale", "0"): ["--scale"],
+        ("--random-model", "--widths", "0"): ["--widths"],
+        ("--random-model", "--block-size", "0"): ["--block-size"],
+        ("--random-model", "--threads", "0"): ["--threads"],
+        ("--model", "/nonexistent/model"): ["/nonexistent/model"],
+    },
+    "chunked_latency": {
+        ("--random-model", "--chats", "0"): ["--chats"],
+        ("--random-model", "--budgets", "0"): ["--budgets"],
+        ("--random-model", "--repeats", "0"): ["--repeats"],
+        ("--random-model", "--long-every", "-1"): ["--long-every"],
+        ("--random-model", "--block-size", "0"): ["--block-size"],
+        ("--random-model", "--long-prompt", "5000"): ["positions"],
+        ("--model", "/nonexistent/model"): ["/nonexistent/model"],
+    },
+    "smollm2": {
+        ("--new-tokens", "0"): ["--new-tokens"],
+        ("--repeats", "0"): ["--repeats"],
+        ("--dtypes", "float64"): ["--dtypes"],
+        ("--threads", "0"): ["--threads"],
+        ("--bandwidth", "nan"): ["--bandwidth"],
+        ("--plot", "/nonexistent/x.png"): ["--plot", "does not exist"],
+    },
+}
+
+
+@pytest.mark.parametrize("module", CASES)
+def test_bad_arguments_are_refused_and_small_runs_work(module, tmp_path):
+    binary, negative = tmp_path / "binary.csv", tmp_path / "negative.csv"
+    binary.write_bytes(b"prompt_len,output_len\n" + bytes(range(128, 256)) * 8)
+    negative.write_text("prompt_len,output_len\n10,-5\n")
+    paths = {"BINARY_CSV": binary, "NEGATIVE_CSV": negative}
+    cases = CASES[module]
+    probes = [([paths.get(a, a) for a in argv], None) for argv in cases]
+    results = run_many(f"minipaged.benchmarks.{module}", probes, MPLBACKEND="Agg")
+    for words, result in zip(cases.values(), results):
+        if words is None:
+            answered(result)
+        else:
+            refused(result, *words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["binary.csv", "negative.csv"]
