@@ -51,13 +51,16 @@ class PagedCache:
                      block_size * kv_bytes_per_token(args.n_kv_heads, args.head_dim, dtype,
                                                      args.n_layers),
                      f"blocks of {block_size:,} tokens per layer")
+        # Every layer's block table, stacked: layer i's manager keeps its own in row i, and a
+        # step reads the rows of all layers with one indexing (`set_step`).
+        self.block_table = torch.empty((args.n_layers, max_seqs, max_blocks), dtype=torch.int32)
         self.managers = [self.new_manager(num_blocks, block_size, args.n_kv_heads, args.head_dim,
                                           max_seqs, max_blocks, device=device, dtype=dtype,
-                                          seed=seed + layer)
+                                          seed=seed + layer, block_table=self.block_table[layer])
                          for layer in range(args.n_layers)]
         self.cache_seqlens = None         # (B,) int32, tokens stored before this step
         self.positions = None             # (B, T), the positions of this step's new tokens
-        self.block_tables = None          # per layer, (B, max_blocks_used) int32
+        self.block_tables = None          # (n_layers, B, max_blocks_used) int32: the step's
         self.step = None                  # the PagedStep every layer's attend reads
 
     def new_manager(self, *args, **kwargs) -> CacheManager:
@@ -96,9 +99,11 @@ class PagedCache:
         self.cache_seqlens = self.managers[0].seq_lens_for(seq_ids) - num_new_tokens    # (B,)
         self.positions = self.cache_seqlens[:, None].long() + torch.arange(
             num_new_tokens, device=self.cache_seqlens.device)                          # (B, T)
-        self.block_tables = [m.block_table_for(seq_ids) for m in self.managers]
-        self.step = plan_step(torch.stack(self.block_tables), self.cache_seqlens,
-                              num_new_tokens, self.block_size)
+        rows = torch.as_tensor(seq_ids, dtype=torch.long)
+        width = max(1, int(self.managers[0].num_blocks_held[rows].max()))   # as block_table_for
+        self.block_tables = self.block_table[:, rows, :width].to(self.cache_seqlens.device)
+        self.step = plan_step(self.block_tables, self.cache_seqlens, num_new_tokens,
+                              self.block_size)
 
     def check_room(self, needed: int, longest: int) -> None:
         """Raise before anything changes if a step needs more blocks per layer than are free, or
