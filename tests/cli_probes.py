@@ -89,6 +89,13 @@ def answered(result):
     assert result["code"] == 0 and not error_lines(result), result
 
 
+def default_sigint():
+    """In the child before it runs Python: Ctrl-C interrupts, even when the tests themselves run
+    with SIGINT ignored (a job started in the background with `&`), which a child inherits and
+    which keeps Python from installing its KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt(argv, ready, stdin=None, timeout=300, **extra_env):
     """Start `python ARGV` in its own process group, press Ctrl-C (SIGINT to the group, as a
     terminal does) once `ready(stdout so far)` is true, and return (exit status, stdout,
@@ -96,7 +103,8 @@ def interrupt(argv, ready, stdin=None, timeout=300, **extra_env):
     p = subprocess.Popen([sys.executable, *map(str, argv)], cwd=ROOT,
                          env=env(PYTHONUNBUFFERED="1", **extra_env),
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, start_new_session=True)
+                         stderr=subprocess.PIPE, start_new_session=True,
+                         preexec_fn=default_sigint)
     chunks = {"out": [], "err": []}
     readers = [threading.Thread(target=lambda f=f, k=k: chunks[k].extend(iter(f.readline, b"")))
                for f, k in ((p.stdout, "out"), (p.stderr, "err"))]
