@@ -68,7 +68,10 @@ class CacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  max_seqs: int, max_blocks_per_seq: int, device="cpu", dtype=torch.float32,
-                 seed: int = 0):
+                 seed: int = 0, block_table: torch.Tensor | None = None):
+        """`block_table`: an int32 (max_seqs, max_blocks_per_seq) CPU tensor to keep the block
+        table in (default: a new one); a caller that drives several managers in step can give
+        each a slice of one larger tensor, to read all their tables in one go."""
         check_memory(self.pool_bytes(num_blocks, block_size, n_kv_heads, head_dim, max_seqs,
                                      max_blocks_per_seq, dtype), device,
                      f"a pool of {num_blocks:,} blocks of {block_size:,} tokens",
@@ -83,7 +86,13 @@ class CacheManager:
         self.v_cache_paged = torch.zeros(shape, device=device, dtype=dtype)
         self.free_blocks = FreeBlockSet(num_blocks, seed)
         # Bookkeeping tensors, with numpy views (`_table`, ...) that share their memory.
-        self.block_table = torch.full((max_seqs, max_blocks_per_seq), PAD_BLOCK, dtype=torch.int32)
+        if block_table is None:
+            block_table = torch.empty((max_seqs, max_blocks_per_seq), dtype=torch.int32)
+        elif block_table.shape != (max_seqs, max_blocks_per_seq) or \
+                block_table.dtype != torch.int32 or block_table.device.type != "cpu":
+            raise RequestError(f"block_table must be an int32 CPU tensor of shape "
+                               f"({max_seqs}, {max_blocks_per_seq})")
+        self.block_table = block_table.fill_(PAD_BLOCK)              # (max_seqs, max_blocks)
         self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32)     # tokens stored, per row
         self.num_blocks_held = torch.zeros(max_seqs, dtype=torch.int32)
         self._table = self.block_table.numpy()                       # (max_seqs, max_blocks)

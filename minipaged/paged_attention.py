@@ -83,23 +83,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Row b attends to cache_seqlens[b] + Sk keys; `causal` aligns the mask bottom-right.
     Returns (B, Sq, Hq, D). `backend` is one of `available_backends()`.
     """
-    global last_backend
-    if backend not in available_backends():
-        raise ValueError(f"backend must be one of {', '.join(map(repr, available_backends()))}, "
-                         f"not {backend!r}")
     cache_seqlens = _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                                   block_table)
-    why_not = _why_not_flash(q, k_cache, block_table)
-    if backend == "flash_attn" and why_not:
-        raise ValueError(f"backend='flash_attn' cannot serve this call: {why_not}")
-    use_flash = backend == "flash_attn" or (backend == "auto" and why_not is None)
-    name = "flash_attn" if use_flash else "torch" if backend == "auto" else backend
-    if not use_flash and (refusal := BACKENDS[name].why_not(q, k_cache)):
-        raise ValueError(f"backend={name!r} cannot serve this call: {refusal}")
-    last_backend = name
-    _announce(name, why_not if backend == "auto" and not use_flash else None, q.is_cuda)
-
-    if use_flash:
+    name = pick_backend(backend, q, k_cache, block_table)
+    if name == "flash_attn":
         return flash_attn.flash_attn_with_kvcache(
             q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
             cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
@@ -158,13 +145,21 @@ def owned_block_table(q, k_cache, k, cache_seqlens, cache_batch_idx, block_table
             f"a row needs {L} slots but its block table addresses only {capacity} "
             f"({block_table.shape[1]} blocks of {block_size}); give it more blocks first")
 
-    n = -(-L // block_size)                                                   # ceil(L / bs)
-    owned = torch.arange(n, device=device) * block_size < seqlens_k[:, None]  # (B, n)
-    table = torch.where(owned, block_table[:, :n].long(), 0)                  # (B, n)
-    if n and (int(table.min()) < 0 or int(table.max()) >= num_blocks):
+    table = owned_entries(block_table, seqlens_k, L, block_size)             # (B, n)
+    if table.numel() and (int(table.min()) < 0 or int(table.max()) >= num_blocks):
         raise ValueError(f"block_table (or cache_batch_idx) points outside k_cache's "
                          f"{num_blocks} blocks (rows): every block a row uses must exist")
     return table, cache_seqlens, seqlens_k
+
+
+def owned_entries(block_table, seqlens_k, L: int, block_size: int):
+    """Row b of `block_table` (B, W) cut to the n = ceil(L / block_size) blocks the longest row
+    needs, each entry past the seqlens_k[b] keys row b owns replaced by block 0: (B, n) int64."""
+    device = block_table.device
+    n = -(-L // block_size)                                                   # ceil(L / bs)
+    owned = torch.arange(n, device=device) * block_size < seqlens_k[:, None]  # (B, n)
+    table = torch.where(owned, block_table[:, :n].long(), 0)                  # (B, n)
+    return table
 
 
 def write_new_kv(k_cache, v_cache, k, v, table, cache_seqlens) -> None:
@@ -211,6 +206,55 @@ def _gather(cache, table, L):
 register_backend("torch", _gather_and_attend)
 
 
+# -- a whole step of a paged cache: the bookkeeping of every layer at once ---------------------
+
+class PagedStep(NamedTuple):
+    """One step of a paged cache, as every layer's attention reads it. The bookkeeping that
+    `flash_attn_with_kvcache` does on each call (`owned_block_table`, the slot mapping of
+    `write_new_kv`) is the same for every layer but for the block ids, so a cache does it once
+    per step, on all its layers' block tables stacked into one tensor (`plan_step`)."""
+    cache_seqlens: torch.Tensor   # (B,) int32: tokens each row stored before the step
+    seqlens_k: torch.Tensor       # (B,) int64: keys each row attends to, the new ones included
+    block_tables: torch.Tensor    # (n_layers, B, W) int32: each layer's tables, as kept
+    tables: torch.Tensor          # (n_layers, B, n) int64: the blocks each row owns, else 0
+    blocks: torch.Tensor          # (n_layers, B, T) int64: the block each new token goes to
+    offsets: torch.Tensor         # (B, T) int64: its offset in that block (the same in all layers)
+
+
+def plan_step(block_tables, cache_seqlens, num_new_tokens: int, block_size: int) -> PagedStep:
+    """`owned_block_table` and the slot mapping of `write_new_kv` for every layer in one go:
+    block_tables (n_layers, B, W) int32, cache_seqlens (B,) int32, each row adding
+    `num_new_tokens` tokens. Layer l's table is owned_block_table's for that layer, and new token
+    t of row b goes to block blocks[l, b, t] at offset offsets[b, t]."""
+    n_layers, B, W = block_tables.shape
+    seqlens_k = cache_seqlens.long() + num_new_tokens                         # (B,)
+    # the layers' rows one after another: one (n_layers * B, W) table
+    tables = owned_entries(block_tables.reshape(n_layers * B, W), seqlens_k.repeat(n_layers),
+                           int(seqlens_k.max()), block_size).view(n_layers, B, -1)
+    # write_new_kv's slot mapping, split into block and offset at once
+    positions = cache_seqlens[:, None].long() + torch.arange(num_new_tokens,
+                                                             device=block_tables.device)
+    logical = (positions // block_size).expand(n_layers, B, num_new_tokens)   # (layers, B, T)
+    return PagedStep(cache_seqlens, seqlens_k, block_tables, tables,
+                     tables.gather(2, logical), positions % block_size)
+
+
+def attend_step(q, k, v, k_cache, v_cache, step: PagedStep, layer: int, backend: str = "auto"):
+    """`flash_attn_with_kvcache(q, k_cache, v_cache, k, v, causal=True, backend=backend)` for
+    layer `layer` of a step that `plan_step` planned: write the new k/v into their slots, then
+    attend. The cache that built `step` is trusted: nothing is checked again here."""
+    name = pick_backend(backend, q, k_cache, step.block_tables[layer])
+    if name == "flash_attn":          # flash-attn's kernel writes k/v itself
+        return flash_attn.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k=k, v=v, cache_seqlens=step.cache_seqlens,
+            block_table=step.block_tables[layer], causal=True)
+    blocks = step.blocks[layer]                                               # (B, T)
+    k_cache[blocks, step.offsets] = k                 # in place, (B, T, Hk, D) slots
+    v_cache[blocks, step.offsets] = v
+    return BACKENDS[name].attend(q, k_cache, v_cache, step.tables[layer], step.seqlens_k, True,
+                                 None, 0)
+
+
 # -- checks and dispatch -------------------------------------------------------------------------
 
 def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
@@ -255,6 +299,26 @@ def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, blo
          and cache_seqlens.shape == (B,),
          f"cache_seqlens must be an int or an int32 tensor of shape ({B},)")
     return cache_seqlens.to(q.device)
+
+
+def pick_backend(backend: str, q, k_cache, block_table) -> str:
+    """The implementation that serves a call with `backend=backend`: "auto" is flash-attn's
+    kernel where it can serve the call and "torch" elsewhere. Raises ValueError, with the reason,
+    for a backend that does not exist or cannot serve the call. Sets `last_backend`."""
+    global last_backend
+    if backend not in available_backends():
+        raise ValueError(f"backend must be one of {', '.join(map(repr, available_backends()))}, "
+                         f"not {backend!r}")
+    why_not = _why_not_flash(q, k_cache, block_table)
+    if backend == "flash_attn" and why_not:
+        raise ValueError(f"backend='flash_attn' cannot serve this call: {why_not}")
+    use_flash = backend == "flash_attn" or (backend == "auto" and why_not is None)
+    name = "flash_attn" if use_flash else "torch" if backend == "auto" else backend
+    if not use_flash and (refusal := BACKENDS[name].why_not(q, k_cache)):
+        raise ValueError(f"backend={name!r} cannot serve this call: {refusal}")
+    last_backend = name
+    _announce(name, why_not if backend == "auto" and not use_flash else None, q.is_cuda)
+    return name
 
 
 def _why_not_flash(q, k_cache, block_table) -> str | None:

@@ -1,5 +1,5 @@
 """Stage 3: the paged KV cache the model runs on — stage 2's CacheManagers behind stage 1's
-cache interface, attending through `flash_attn_with_kvcache` (`paged_attention.py`).
+cache interface, attending as `flash_attn_with_kvcache` does (`paged_attention.py`).
 
 The model calls the same three things it called on the contiguous cache:
 
@@ -8,7 +8,9 @@ The model calls the same three things it called on the contiguous cache:
     cache.attend(layer, q, k, v)              # write k/v into the layer's blocks, attend
 
 so `generation.generate_static` runs on it unchanged: `generate_paged` below is stage 1's static
-batch on a paged cache. What changes is memory: a sequence holds blocks for the tokens it has,
+batch on a paged cache. The bookkeeping of a step (the lengths, the positions, every layer's
+block table and where its new tokens go) is done once in `prepare`, for all layers at once;
+each layer's `attend` only writes and reads. What changes is memory: a sequence holds blocks for the tokens it has,
 not for `max_seq_len`, and a finished one returns them at once.
 """
 
@@ -21,16 +23,17 @@ from .errors import OutOfBlocksError, RequestError
 from .generation import check_request, generate_static
 from .kv_budget import pool_blocks
 from .kv_cache import check_memory, check_sizes, kv_bytes_per_token
-from .paged_attention import flash_attn_with_kvcache
+from .paged_attention import attend_step, plan_step
 
 
 class PagedCache:
     """One CacheManager per layer, driven in step: every layer holds the same tokens, each in
     blocks of its own pool, drawn from its own random free set (layer i with seed `seed + i`).
 
-    `prepare` takes blocks as sequences grow (all layers or none), `attend` calls
-    `flash_attn_with_kvcache` on the layer's pool through its block table, `free` returns
-    every block of a finished sequence the moment it stops, while the others continue.
+    `prepare` takes blocks as sequences grow (all layers or none) and works out, once for all
+    layers, where the step's tokens go; `attend` writes them and attends on the layer's pool
+    through its block table, as `flash_attn_with_kvcache` does; `free` returns every block of a
+    finished sequence the moment it stops, while the others continue.
     """
 
     def __init__(self, args, num_blocks: int, block_size: int, max_seqs: int, max_seq_len: int,
@@ -48,13 +51,17 @@ class PagedCache:
                      block_size * kv_bytes_per_token(args.n_kv_heads, args.head_dim, dtype,
                                                      args.n_layers),
                      f"blocks of {block_size:,} tokens per layer")
+        # Every layer's block table, stacked: layer i's manager keeps its own in row i, and a
+        # step reads the rows of all layers with one indexing (`set_step`).
+        self.block_table = torch.empty((args.n_layers, max_seqs, max_blocks), dtype=torch.int32)
         self.managers = [self.new_manager(num_blocks, block_size, args.n_kv_heads, args.head_dim,
                                           max_seqs, max_blocks, device=device, dtype=dtype,
-                                          seed=seed + layer)
+                                          seed=seed + layer, block_table=self.block_table[layer])
                          for layer in range(args.n_layers)]
         self.cache_seqlens = None         # (B,) int32, tokens stored before this step
         self.positions = None             # (B, T), the positions of this step's new tokens
-        self.block_tables = None          # per layer, (B, max_blocks_used) int32
+        self.block_tables = None          # (n_layers, B, max_blocks_used) int32: the step's
+        self.step = None                  # the PagedStep every layer's attend reads
 
     def new_manager(self, *args, **kwargs) -> CacheManager:
         """One layer's allocator (a later stage builds a richer one here)."""
@@ -86,11 +93,17 @@ class PagedCache:
         self.set_step(seq_ids, num_new_tokens)
 
     def set_step(self, seq_ids, num_new_tokens: int) -> None:
-        """What every layer's `attend` reads this step: the lengths before it, the tables."""
+        """What every layer's `attend` reads this step: the lengths before it, the tables, and
+        from them (`plan_step`, once for all layers) where each layer writes the new tokens and
+        which blocks it reads."""
         self.cache_seqlens = self.managers[0].seq_lens_for(seq_ids) - num_new_tokens    # (B,)
         self.positions = self.cache_seqlens[:, None].long() + torch.arange(
             num_new_tokens, device=self.cache_seqlens.device)                          # (B, T)
-        self.block_tables = [m.block_table_for(seq_ids) for m in self.managers]
+        rows = torch.as_tensor(seq_ids, dtype=torch.long)
+        width = max(1, int(self.managers[0].num_blocks_held[rows].max()))   # as block_table_for
+        self.block_tables = self.block_table[:, rows, :width].to(self.cache_seqlens.device)
+        self.step = plan_step(self.block_tables, self.cache_seqlens, num_new_tokens,
+                              self.block_size)
 
     def check_room(self, needed: int, longest: int) -> None:
         """Raise before anything changes if a step needs more blocks per layer than are free, or
@@ -106,11 +119,11 @@ class PagedCache:
                 f"give the pool more memory. Nothing was allocated.")
 
     def attend(self, layer: int, q, k, v):
+        """`flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+        causal=True)` on the layer's pool, with the bookkeeping `set_step` did for this step."""
         m = self.managers[layer]
-        return flash_attn_with_kvcache(q, m.k_cache_paged, m.v_cache_paged, k, v,
-                                       cache_seqlens=self.cache_seqlens,
-                                       block_table=self.block_tables[layer], causal=True,
-                                       backend=self.backend)
+        return attend_step(q, k, v, m.k_cache_paged, m.v_cache_paged, self.step, layer,
+                           self.backend)
 
     def free(self, seq_id: int) -> None:
         """A finished sequence returns every block, in every layer, at once."""

@@ -93,7 +93,8 @@ CASES = {   # module: {argv: what the error line names (None: answered)}
         ("--repeats", "0"): ["--repeats"],
         ("--dtypes", "float64"): ["--dtypes"],
         ("--threads", "0"): ["--threads"],
-        ("--bandwidth", "nan"): ["--bandwidth"],
+        ("--new-tokens", "1"): ["--new-tokens"],
+        ("--cache-dir", "/proc/llama_cpp"): ["--cache-dir"],
         ("--plot", "/nonexistent/x.png"): ["--plot", "does not exist"],
     },
 }

@@ -17,10 +17,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minipaged import generate, load_model, load_tokenizer
 from minipaged.chat.app import main as chat_main
+from minipaged.fast import FusedLlama, compile_decode
 from minipaged.formats.checkpoint import hf_to_meta_rows
 from minipaged.formats.gguf_checkpoint import cache_dir, packaged_model_path
 from minipaged.formats.gguf_tokenizer import GGUFTokenizer
 from minipaged.formats.tokenizer import chat_format
+from minipaged.kv_cache import ContiguousCache
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about memory.",
              "Explain a KV cache in one sentence.", "2+2=", "List three prime numbers."]
@@ -142,10 +144,37 @@ def test_logits_match_transformers(ours, hf_model, tok):
         assert (ours(x) - ref).abs().max() < 2e-3, len(p)
 
 
+@pytest.fixture(scope="module")
+def fast(ours):
+    """minipaged.fast on the same weights, its batch-1 decode step compiled."""
+    fast = FusedLlama(ours)
+    assert compile_decode(fast) > 0 and fast.compiled is not None
+    return fast
+
+
 @torch.no_grad()
-def test_greedy_tokens_match_transformers_through_every_cache(ours, hf_model, tok):
+def test_fast_logits_match_transformers_eager_and_compiled(fast, hf_model, tok):
+    """The fused model's forward over a prompt, and its compiled decode step fed the same
+    prompt's last tokens one at a time on a cache: transformers' logits, within 2e-3."""
+    p = chat_prompts(tok)[3]
+    x = torch.tensor([p])
+    ref = hf_model(x, attention_mask=torch.ones_like(x)).logits                 # (1, T, V)
+    assert (fast(x) - ref).abs().max() < 2e-3
+    cache, k = ContiguousCache(fast.args, 1, len(p)), 8
+    cache.prepare([0], len(p) - k)
+    fast(x[:, :-k], cache=cache)
+    for i in range(len(p) - k, len(p)):
+        cache.prepare([0], 1)
+        assert (fast(x[:, i:i + 1], cache=cache)[0, 0] - ref[0, i]).abs().max() < 2e-3, i
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("which", ["ours", "fast"])
+def test_greedy_tokens_match_transformers_through_every_cache(which, request, hf_model, tok):
     """Where a cache picks another token than transformers, transformers' own top two logits
-    must nearly tie there (a rounding difference, not a bug)."""
+    must nearly tie there (a rounding difference, not a bug). "fast": minipaged.fast, whose
+    batch-1 decode steps run compiled."""
+    ours = request.getfixturevalue(which)
     prompts, n = chat_prompts(tok)[:3], 24
     ref = []
     for p in prompts:

@@ -131,6 +131,38 @@ def test_paged_attention_matches_dense_reference(backend, block_size, seed):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block_size,seed", [(b, s) for b in [1, 3, 16] for s in range(4)])
+def test_a_planned_step_matches_the_dense_reference_in_every_layer(block_size, seed, backend):
+    """A paged cache's step: `plan_step` once over every layer's table (each layer its own
+    scattered blocks), then `attend_step` per layer, as PagedCache.attend calls it."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    n_layers, B, Hk, group, D = 3, rng.randint(1, 3), 2, 2, 8
+    T = rng.choice([1, 1, rng.randint(2, 5)])
+    lengths = [rng.choice([0, block_size * rng.randint(1, 3), rng.randint(0, 40)])
+               for _ in range(B)]
+    max_blocks = -(-(max(lengths) + T) // block_size) + rng.randint(0, 2)
+    num_blocks = B * max_blocks + 3
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen, dtype=torch.int32)
+                          [:B * max_blocks].view(B, max_blocks) for _ in range(n_layers)])
+    cache_seqlens = torch.tensor(lengths, dtype=torch.int32)
+    step = pa.plan_step(tables, cache_seqlens, T, block_size)
+    for layer in range(n_layers):
+        randn = lambda *shape: torch.randn(*shape, generator=gen)
+        q, k, v = randn(B, T, Hk * group, D), randn(B, T, Hk, D), randn(B, T, Hk, D)
+        k_cache, v_cache = randn(num_blocks, block_size, Hk, D), randn(num_blocks, block_size, Hk, D)
+        expected, k_after, v_after = dense_reference(
+            q, k_cache.clone(), v_cache.clone(), k, v, lengths,
+            paged_locate(tables[layer], block_size), causal=True)
+        call = on_backend(dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache), backend)
+        step_there = pa.PagedStep(*(t.to(call["q"].device) for t in step))
+        out = pa.attend_step(call["q"], call["k"], call["v"], call["k_cache"], call["v_cache"],
+                             step_there, layer, backend).cpu()
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(call["k_cache"].cpu(), k_after)
+        assert torch.equal(call["v_cache"].cpu(), v_after)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("seed", range(10))
 def test_non_paged_mode_with_cache_batch_idx(seed, backend):
     """flash-attn's other mode: one long cache row per sequence, picked by cache_batch_idx."""

