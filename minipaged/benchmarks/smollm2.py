@@ -19,7 +19,8 @@ Measured:
 
   * read bandwidth: GB/s this machine reads memory at with the threads used (summing 512 MiB);
     batch-1 decode reads every weight once per token, so weight bytes x tok/s over it is the
-    share of the bound an engine reaches;
+    share of that bound an engine reaches (a little over 100%: the engine streams its weights
+    faster than one plain sum does, on a machine whose bandwidth moves between runs);
   * batch-1 decode: greedy tokens per second after the first, one chat prompt, --new-tokens;
   * 16 requests (chat prompts of 30 to 250 tokens, --new-tokens each, no early stop): every
     token over the wall time, prefill included. minipaged's engine and `generate_batch` run
