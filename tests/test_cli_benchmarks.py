@@ -3,7 +3,7 @@ with one `error: ...` line and exit 2 before any work (a KV budget the machine c
 included), nothing written; a small run of each cheap one still works."""
 
 import pytest
-from cli_probes import answered, refused, run_many
+from cli_probes import ROOT, answered, digest, refused, run_many
 
 CASES = {   # module: {argv: what the error line names (None: answered)}
     "policies": {
@@ -108,7 +108,9 @@ def test_bad_arguments_are_refused_and_small_runs_work(module, tmp_path):
     paths = {"BINARY_CSV": binary, "NEGATIVE_CSV": negative}
     cases = CASES[module]
     probes = [([paths.get(a, a) for a in argv], None) for argv in cases]
+    assets = digest(ROOT / "assets")       # a probe that runs by mistake may draw over them
     results = run_many(f"minipaged.benchmarks.{module}", probes, MPLBACKEND="Agg")
+    assert digest(ROOT / "assets") == assets, "a probe wrote into assets/"
     for words, result in zip(cases.values(), results):
         if words is None:
             answered(result)

@@ -126,6 +126,15 @@ def test_the_compiled_steps_logits_are_the_eager_ones(compiled_pair):
     assert (logits["compiled"] - logits["eager"]).abs().max() < 1e-4
 
 
+def test_the_compiled_step_on_the_engine_with_a_token_budget(compiled_pair):
+    """Stage 5b's packed steps call the model with one token of one sequence too: the compiled
+    step serves them, and the tokens are the references'."""
+    model, fast = compiled_pair
+    got = generate(fast, PROMPTS, 8, cache="paged", stop_tokens=[], max_seq_len=64,
+                   block_size=4, max_num_batched_tokens=6)
+    assert got == [greedy_reference(model, p, 8) for p in PROMPTS]
+
+
 def test_a_batch_and_a_prompt_run_eager_with_the_same_tokens(compiled_pair):
     model, fast = compiled_pair
     got = generate_paged(fast, PROMPTS, 8, stop_tokens=[], max_seq_len=64, block_size=4)
