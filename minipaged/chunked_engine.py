@@ -65,7 +65,7 @@ class PackedBatch:
             end = start + rows * n
             q_s, k_s, v_s = (x[0, start:end].view(rows, n, *x.shape[2:]) for x in (q, k, v))
             y = attend_step(q_s, k_s, v_s, m.k_cache_paged, m.v_cache_paged, step, layer,
-                            self.cache.backend)                           # (rows, n, Hq, D)
+                            self.cache.implementation(q, layer))          # (rows, n, Hq, D)
             out.append(y.reshape(1, end - start, *y.shape[2:]))
             start = end
         return torch.cat(out, 1)                                          # (1, N, Hq, D)

@@ -239,11 +239,11 @@ def plan_step(block_tables, cache_seqlens, num_new_tokens: int, block_size: int)
                      tables.gather(2, logical), positions % block_size)
 
 
-def attend_step(q, k, v, k_cache, v_cache, step: PagedStep, layer: int, backend: str = "auto"):
-    """`flash_attn_with_kvcache(q, k_cache, v_cache, k, v, causal=True, backend=backend)` for
-    layer `layer` of a step that `plan_step` planned: write the new k/v into their slots, then
-    attend. The cache that built `step` is trusted: nothing is checked again here."""
-    name = pick_backend(backend, q, k_cache, step.block_tables[layer])
+def attend_step(q, k, v, k_cache, v_cache, step: PagedStep, layer: int, name: str):
+    """`flash_attn_with_kvcache(q, k_cache, v_cache, k, v, causal=True)` for layer `layer` of a
+    step that `plan_step` planned, on the implementation `name` that `pick_backend` chose for
+    the step: write the new k/v into their slots, then attend. The cache that built `step` is
+    trusted: nothing is checked again here."""
     if name == "flash_attn":          # flash-attn's kernel writes k/v itself
         return flash_attn.flash_attn_with_kvcache(
             q, k_cache, v_cache, k=k, v=v, cache_seqlens=step.cache_seqlens,

@@ -23,7 +23,7 @@ from .errors import OutOfBlocksError, RequestError
 from .generation import check_request, generate_static
 from .kv_budget import pool_blocks
 from .kv_cache import check_memory, check_sizes, kv_bytes_per_token
-from .paged_attention import attend_step, plan_step
+from .paged_attention import attend_step, pick_backend, plan_step
 
 
 class PagedCache:
@@ -62,6 +62,7 @@ class PagedCache:
         self.positions = None             # (B, T), the positions of this step's new tokens
         self.block_tables = None          # (n_layers, B, max_blocks_used) int32: the step's
         self.step = None                  # the PagedStep every layer's attend reads
+        self._implementation = None       # the backend serving this step, once chosen
 
     def new_manager(self, *args, **kwargs) -> CacheManager:
         """One layer's allocator (a later stage builds a richer one here)."""
@@ -81,7 +82,7 @@ class PagedCache:
         old = [s for s in seq_ids if s in first]
         # Every layer holds the same tokens, so every layer needs the same number of blocks:
         # check once, up front, so a failure leaves all layers untouched.
-        longest = max(int(first.seq_lens[s]) for s in seq_ids) + num_new_tokens
+        longest = int(first.seq_lens[seq_ids].max()) + num_new_tokens
         needed = len(new) * first.blocks_for(num_new_tokens) + \
             (first.blocks_needed(old, num_new_tokens) if old else 0)
         self.check_room(needed, longest)
@@ -104,6 +105,7 @@ class PagedCache:
         self.block_tables = self.block_table[:, rows, :width].to(self.cache_seqlens.device)
         self.step = plan_step(self.block_tables, self.cache_seqlens, num_new_tokens,
                               self.block_size)
+        self._implementation = None
 
     def check_room(self, needed: int, longest: int) -> None:
         """Raise before anything changes if a step needs more blocks per layer than are free, or
@@ -123,7 +125,15 @@ class PagedCache:
         causal=True)` on the layer's pool, with the bookkeeping `set_step` did for this step."""
         m = self.managers[layer]
         return attend_step(q, k, v, m.k_cache_paged, m.v_cache_paged, self.step, layer,
-                           self.backend)
+                           self.implementation(q, layer))
+
+    def implementation(self, q, layer: int) -> str:
+        """The implementation of `backend` that serves this step (`pick_backend`): chosen at the
+        step's first attend, the same for every layer after it."""
+        if self._implementation is None:
+            self._implementation = pick_backend(self.backend, q, self.managers[layer].k_cache_paged,
+                                                self.step.block_tables[layer])
+        return self._implementation
 
     def free(self, seq_id: int) -> None:
         """A finished sequence returns every block, in every layer, at once."""

@@ -279,3 +279,16 @@ def test_a_manager_refuses_a_block_table_of_the_wrong_shape_or_type():
     m = CacheManager(8, 4, 2, 8, 2, 4, block_table=table)
     m.reserve(0, 5)
     assert table[0, :2].tolist() == m.block_table_for([0])[0].tolist() and table[1, 0] == -1
+
+
+def test_the_backend_is_chosen_once_a_step_not_once_a_layer(monkeypatch):
+    """`pick_backend` runs at a step's first layer; the other layers reuse its answer."""
+    import minipaged.paged_cache as paged_cache_module
+    calls = []
+    real = paged_cache_module.pick_backend
+    monkeypatch.setattr(paged_cache_module, "pick_backend",
+                        lambda *a: calls.append(1) or real(*a))
+    model, prompts = tiny_model(n_layers=3), [[5, 9, 2, 77], [100, 3]]
+    out = generate_paged(model, prompts, 6, stop_tokens=[], max_seq_len=32, block_size=4)
+    assert out == [greedy_reference(model, p, 6) for p in prompts]
+    assert len(calls) == 2 + 5           # two prefills, five decode steps; not times 3 layers
