@@ -137,7 +137,7 @@ def owned_block_table(q, k_cache, k, cache_seqlens, cache_batch_idx, block_table
     if cache_seqlens is None:                             # no lengths: every row is full
         cache_seqlens = torch.full((B,), capacity, dtype=torch.int32, device=device)
     seqlens_k = cache_seqlens.long() + n_new                                  # (B,) keys per row
-    L = int(seqlens_k.max())                              # the longest row: all we gather
+    L = max(seqlens_k.tolist())                           # the longest row: all we gather
     if int(cache_seqlens.min()) < 0:
         raise ValueError("cache_seqlens must be >= 0: it counts the tokens a row has stored")
     if L > capacity:
@@ -184,7 +184,7 @@ def write_new_kv(k_cache, v_cache, k, v, table, cache_seqlens) -> None:
 def _gather_and_attend(q, k_cache, v_cache, table, seqlens_k, causal, softmax_scale, num_splits):
     """The "torch" backend: gather each row's blocks, then attend (`num_splits` is a kernel's
     knob; it means nothing here)."""
-    L = int(seqlens_k.max())                              # the longest row: all we gather
+    L = max(seqlens_k.tolist())                           # the longest row: all we gather
     k_ctx, v_ctx = _gather(k_cache, table, L), _gather(v_cache, table, L)    # (B, L, Hk, D)
     # the same masked attention as the contiguous cache
     return attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=causal,
@@ -197,10 +197,8 @@ def _gather(cache, table, L):
     `index_select` along the block dimension copies each block as one piece of memory; the
     equivalent `cache[table]` goes element by element and takes twice as long on a CPU.
     """
-    B, n = table.shape
-    used = min(cache.shape[1], L)        # L < block_size: only the first L slots of one block
-    blocks = cache[:, :used].index_select(0, table.flatten())          # (B * n, used, Hk, D)
-    return blocks.view(B, n * used, *cache.shape[2:])[:, :L]           # (B, L, Hk, D)
+    blocks = cache.index_select(0, table.reshape(-1))          # (B * n, block_size, Hk, D)
+    return blocks.view(table.shape[0], -1, *cache.shape[2:])[:, :L]    # (B, L, Hk, D)
 
 
 register_backend("torch", _gather_and_attend)
