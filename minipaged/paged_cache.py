@@ -107,13 +107,11 @@ class PagedCache:
         which blocks it reads."""
         device = self.managers[0].device
         rows = torch.as_tensor(seq_ids, dtype=torch.long)
-        self.cache_seqlens = (self.seq_lens[0, rows] - num_new_tokens).to(device)      # (B,)
-        self.positions = self.cache_seqlens[:, None].long() + torch.arange(
-            num_new_tokens, device=device)                                             # (B, T)
         width = max(1, int(self.managers[0].num_blocks_held[rows].max()))   # as block_table_for
-        self.block_tables = self.block_table[:, rows, :width].to(device)
-        self.step = plan_step(self.block_tables, self.cache_seqlens, num_new_tokens,
-                              self.block_size)
+        self.step = plan_step(self.block_table[:, rows, :width], self.seq_lens[0, rows] -
+                              num_new_tokens, num_new_tokens, self.block_size, device)
+        self.cache_seqlens, self.positions = self.step.cache_seqlens, self.step.positions
+        self.block_tables = self.step.block_tables
         self._implementation = None
 
     def check_room(self, needed: int, longest: int) -> None:
