@@ -58,6 +58,15 @@ class FreeBlockSet:
         return sorted(self._ids)
 
 
+def _bookkeeping(tensor, name: str, shape) -> torch.Tensor:
+    """`tensor` if it is an int32 CPU tensor of `shape` (a caller's), a new one if None."""
+    if tensor is None:
+        return torch.empty(shape, dtype=torch.int32)
+    if tuple(tensor.shape) != shape or tensor.dtype != torch.int32 or tensor.device.type != "cpu":
+        raise RequestError(f"{name} must be an int32 CPU tensor of shape {shape}")
+    return tensor
+
+
 class CacheManager:
     """One layer's paged KV cache: the physical pool, its free blocks, a block table per sequence.
 
@@ -68,10 +77,12 @@ class CacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  max_seqs: int, max_blocks_per_seq: int, device="cpu", dtype=torch.float32,
-                 seed: int = 0, block_table: torch.Tensor | None = None):
-        """`block_table`: an int32 (max_seqs, max_blocks_per_seq) CPU tensor to keep the block
-        table in (default: a new one); a caller that drives several managers in step can give
-        each a slice of one larger tensor, to read all their tables in one go."""
+                 seed: int = 0, block_table: torch.Tensor | None = None,
+                 seq_lens: torch.Tensor | None = None):
+        """`block_table`, `seq_lens`: int32 CPU tensors of shape (max_seqs, max_blocks_per_seq)
+        and (max_seqs,) to keep the block table and the lengths in (default: new ones); a
+        caller that drives several managers in step can give each a slice of one larger tensor,
+        to read all their tables, or advance all their lengths, in one go."""
         check_memory(self.pool_bytes(num_blocks, block_size, n_kv_heads, head_dim, max_seqs,
                                      max_blocks_per_seq, dtype), device,
                      f"a pool of {num_blocks:,} blocks of {block_size:,} tokens",
@@ -86,14 +97,9 @@ class CacheManager:
         self.v_cache_paged = torch.zeros(shape, device=device, dtype=dtype)
         self.free_blocks = FreeBlockSet(num_blocks, seed)
         # Bookkeeping tensors, with numpy views (`_table`, ...) that share their memory.
-        if block_table is None:
-            block_table = torch.empty((max_seqs, max_blocks_per_seq), dtype=torch.int32)
-        elif block_table.shape != (max_seqs, max_blocks_per_seq) or \
-                block_table.dtype != torch.int32 or block_table.device.type != "cpu":
-            raise RequestError(f"block_table must be an int32 CPU tensor of shape "
-                               f"({max_seqs}, {max_blocks_per_seq})")
-        self.block_table = block_table.fill_(PAD_BLOCK)              # (max_seqs, max_blocks)
-        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32)     # tokens stored, per row
+        self.block_table = _bookkeeping(block_table, "block_table", (max_seqs, max_blocks_per_seq))
+        self.block_table.fill_(PAD_BLOCK)                            # (max_seqs, max_blocks)
+        self.seq_lens = _bookkeeping(seq_lens, "seq_lens", (max_seqs,)).zero_()  # tokens stored
         self.num_blocks_held = torch.zeros(max_seqs, dtype=torch.int32)
         self._table = self.block_table.numpy()                       # (max_seqs, max_blocks)
         self._lens = self.seq_lens.numpy()                           # (max_seqs,)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 
 from .kv_cache import attention_over_cache
@@ -137,7 +138,7 @@ def owned_block_table(q, k_cache, k, cache_seqlens, cache_batch_idx, block_table
     if cache_seqlens is None:                             # no lengths: every row is full
         cache_seqlens = torch.full((B,), capacity, dtype=torch.int32, device=device)
     seqlens_k = cache_seqlens.long() + n_new                                  # (B,) keys per row
-    L = int(seqlens_k.max())                              # the longest row: all we gather
+    L = max(seqlens_k.tolist())                           # the longest row: all we gather
     if int(cache_seqlens.min()) < 0:
         raise ValueError("cache_seqlens must be >= 0: it counts the tokens a row has stored")
     if L > capacity:
@@ -184,7 +185,7 @@ def write_new_kv(k_cache, v_cache, k, v, table, cache_seqlens) -> None:
 def _gather_and_attend(q, k_cache, v_cache, table, seqlens_k, causal, softmax_scale, num_splits):
     """The "torch" backend: gather each row's blocks, then attend (`num_splits` is a kernel's
     knob; it means nothing here)."""
-    L = int(seqlens_k.max())                              # the longest row: all we gather
+    L = max(seqlens_k.tolist())                           # the longest row: all we gather
     k_ctx, v_ctx = _gather(k_cache, table, L), _gather(v_cache, table, L)    # (B, L, Hk, D)
     # the same masked attention as the contiguous cache
     return attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=causal,
@@ -197,10 +198,8 @@ def _gather(cache, table, L):
     `index_select` along the block dimension copies each block as one piece of memory; the
     equivalent `cache[table]` goes element by element and takes twice as long on a CPU.
     """
-    B, n = table.shape
-    used = min(cache.shape[1], L)        # L < block_size: only the first L slots of one block
-    blocks = cache[:, :used].index_select(0, table.flatten())          # (B * n, used, Hk, D)
-    return blocks.view(B, n * used, *cache.shape[2:])[:, :L]           # (B, L, Hk, D)
+    blocks = cache.index_select(0, table.reshape(-1))          # (B * n, block_size, Hk, D)
+    return blocks.view(table.shape[0], -1, *cache.shape[2:])[:, :L]    # (B, L, Hk, D)
 
 
 register_backend("torch", _gather_and_attend)
@@ -217,26 +216,35 @@ class PagedStep(NamedTuple):
     seqlens_k: torch.Tensor       # (B,) int64: keys each row attends to, the new ones included
     block_tables: torch.Tensor    # (n_layers, B, W) int32: each layer's tables, as kept
     tables: torch.Tensor          # (n_layers, B, n) int64: the blocks each row owns, else 0
+    positions: torch.Tensor       # (B, T) int64: the new tokens' places in their sequences
     blocks: torch.Tensor          # (n_layers, B, T) int64: the block each new token goes to
     offsets: torch.Tensor         # (B, T) int64: its offset in that block (the same in all layers)
 
 
-def plan_step(block_tables, cache_seqlens, num_new_tokens: int, block_size: int) -> PagedStep:
+def plan_step(block_tables, cache_seqlens, num_new_tokens: int, block_size: int,
+              device="cpu") -> PagedStep:
     """`owned_block_table` and the slot mapping of `write_new_kv` for every layer in one go:
-    block_tables (n_layers, B, W) int32, cache_seqlens (B,) int32, each row adding
-    `num_new_tokens` tokens. Layer l's table is owned_block_table's for that layer, and new token
-    t of row b goes to block blocks[l, b, t] at offset offsets[b, t]."""
-    n_layers, B, W = block_tables.shape
-    seqlens_k = cache_seqlens.long() + num_new_tokens                         # (B,)
-    # the layers' rows one after another: one (n_layers * B, W) table
-    tables = owned_entries(block_tables.reshape(n_layers * B, W), seqlens_k.repeat(n_layers),
-                           int(seqlens_k.max()), block_size).view(n_layers, B, -1)
+    block_tables (n_layers, B, W) int32 and cache_seqlens (B,) int32, both on the CPU, each row
+    adding `num_new_tokens` tokens; the step's tensors are put on `device` (default: the CPU).
+    Layer l's table is owned_block_table's for that layer, and new token t of row b goes to
+    block blocks[l, b, t] at offset offsets[b, t].
+
+    The arithmetic is numpy's, on the CPU, as vLLM's model runner prepares a step: it is a
+    dozen operations on arrays of a few dozen numbers, where each torch call would cost more
+    than its work (here, 25 us for the step against 58 us in torch).
+    """
+    n_layers, B, _ = block_tables.shape
+    before = cache_seqlens.numpy().astype(np.int64)                          # (B,)
+    seqlens_k = before + num_new_tokens                                       # (B,)
+    n = -(-int(seqlens_k.max()) // block_size)          # blocks the longest row needs
+    owned = np.arange(n) * block_size < seqlens_k[:, None]                    # (B, n)
+    tables = np.where(owned, block_tables.numpy()[:, :, :n], 0).astype(np.int64)  # (layers, B, n)
     # write_new_kv's slot mapping, split into block and offset at once
-    positions = cache_seqlens[:, None].long() + torch.arange(num_new_tokens,
-                                                             device=block_tables.device)
-    logical = (positions // block_size).expand(n_layers, B, num_new_tokens)   # (layers, B, T)
-    return PagedStep(cache_seqlens, seqlens_k, block_tables, tables,
-                     tables.gather(2, logical), positions % block_size)
+    positions = before[:, None] + np.arange(num_new_tokens)                   # (B, T)
+    logical = np.broadcast_to(positions // block_size, (n_layers, B, num_new_tokens))
+    blocks = np.take_along_axis(tables, logical, axis=2)                      # (layers, B, T)
+    return PagedStep(cache_seqlens.to(device), *(torch.from_numpy(a).to(device) for a in (
+        seqlens_k, block_tables.numpy(), tables, positions, blocks, positions % block_size)))
 
 
 def attend_step(q, k, v, k_cache, v_cache, step: PagedStep, layer: int, name: str):

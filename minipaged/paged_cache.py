@@ -51,12 +51,15 @@ class PagedCache:
                      block_size * kv_bytes_per_token(args.n_kv_heads, args.head_dim, dtype,
                                                      args.n_layers),
                      f"blocks of {block_size:,} tokens per layer")
-        # Every layer's block table, stacked: layer i's manager keeps its own in row i, and a
-        # step reads the rows of all layers with one indexing (`set_step`).
+        # Every layer's block table and lengths, stacked: layer i's manager keeps its own in
+        # row i, so a step reads the tables of all layers with one indexing (`set_step`), and
+        # advances all their lengths with one addition (`prepare`).
         self.block_table = torch.empty((args.n_layers, max_seqs, max_blocks), dtype=torch.int32)
+        self.seq_lens = torch.zeros((args.n_layers, max_seqs), dtype=torch.int32)
         self.managers = [self.new_manager(num_blocks, block_size, args.n_kv_heads, args.head_dim,
                                           max_seqs, max_blocks, device=device, dtype=dtype,
-                                          seed=seed + layer, block_table=self.block_table[layer])
+                                          seed=seed + layer, block_table=self.block_table[layer],
+                                          seq_lens=self.seq_lens[layer])
                          for layer in range(args.n_layers)]
         self.cache_seqlens = None         # (B,) int32, tokens stored before this step
         self.positions = None             # (B, T), the positions of this step's new tokens
@@ -86,25 +89,29 @@ class PagedCache:
         needed = len(new) * first.blocks_for(num_new_tokens) + \
             (first.blocks_needed(old, num_new_tokens) if old else 0)
         self.check_room(needed, longest)
-        for m in self.managers:
-            for s in new:
-                m.reserve(s, num_new_tokens)
-            if old:
-                m.grow(old, num_new_tokens)
+        if needed or new:
+            for m in self.managers:
+                for s in new:
+                    m.reserve(s, num_new_tokens)
+                if old:
+                    m.grow(old, num_new_tokens)
+        else:
+            # Most decode steps: no sequence fills its last block, so no block changes hands
+            # in any layer, and growing is only the lengths advancing: all layers' at once.
+            self.seq_lens[:, seq_ids] += num_new_tokens
         self.set_step(seq_ids, num_new_tokens)
 
     def set_step(self, seq_ids, num_new_tokens: int) -> None:
         """What every layer's `attend` reads this step: the lengths before it, the tables, and
         from them (`plan_step`, once for all layers) where each layer writes the new tokens and
         which blocks it reads."""
-        self.cache_seqlens = self.managers[0].seq_lens_for(seq_ids) - num_new_tokens    # (B,)
-        self.positions = self.cache_seqlens[:, None].long() + torch.arange(
-            num_new_tokens, device=self.cache_seqlens.device)                          # (B, T)
+        device = self.managers[0].device
         rows = torch.as_tensor(seq_ids, dtype=torch.long)
         width = max(1, int(self.managers[0].num_blocks_held[rows].max()))   # as block_table_for
-        self.block_tables = self.block_table[:, rows, :width].to(self.cache_seqlens.device)
-        self.step = plan_step(self.block_tables, self.cache_seqlens, num_new_tokens,
-                              self.block_size)
+        self.step = plan_step(self.block_table[:, rows, :width], self.seq_lens[0, rows] -
+                              num_new_tokens, num_new_tokens, self.block_size, device)
+        self.cache_seqlens, self.positions = self.step.cache_seqlens, self.step.positions
+        self.block_tables = self.step.block_tables
         self._implementation = None
 
     def check_room(self, needed: int, longest: int) -> None:

@@ -155,3 +155,18 @@ def test_a_failed_compile_warns_and_stays_eager(monkeypatch, caplog):
     assert "could not compile the decode step (RuntimeError: no C++ compiler here)" in caplog.text
     got = generate(fast, PROMPTS[:1], 6, stop_tokens=[], max_seq_len=32)
     assert got == [greedy_reference(model, PROMPTS[0], 6)]
+
+
+def test_the_step_by_step_comparison_runs_both_caches_to_the_same_tokens(monkeypatch):
+    """The SmolLM2 benchmark's paged-against-contiguous measure, on a tiny model: a positive
+    ratio when both caches decode alike, and a refusal when they do not."""
+    from minipaged.benchmarks import smollm2
+
+    model = tiny_model(dtype=torch.float32)
+    ratio = smollm2.paged_over_contiguous(model, PROMPTS[2], 20, rounds=1)
+    assert math.isfinite(ratio) and ratio > 0
+    broken = smollm2.PagedCache.attend
+    monkeypatch.setattr(smollm2.PagedCache, "attend",
+                        lambda self, layer, q, k, v: broken(self, layer, q, k, v) * 0)
+    with pytest.raises(RuntimeError, match="differs from the contiguous cache"):
+        smollm2.paged_over_contiguous(model, PROMPTS[2], 20, rounds=1)

@@ -22,6 +22,9 @@ Measured:
     share of that bound an engine reaches (a little over 100%: the engine streams its weights
     faster than one plain sum does, on a machine whose bandwidth moves between runs);
   * batch-1 decode: greedy tokens per second after the first, one chat prompt, --new-tokens;
+  * paged against contiguous, step by step: both caches decode that prompt side by side, their
+    steps alternating, and the median of the per-step ratios is printed (a finer measure of what
+    paging costs at batch 1 than two runs' rates, which move by several percent between runs);
   * 16 requests (chat prompts of 30 to 250 tokens, --new-tokens each, no early stop): every
     token over the wall time, prefill included. minipaged's engine and `generate_batch` run
     at most 512 tokens a step (stage 5b's max_num_batched_tokens, transformers'
@@ -34,6 +37,7 @@ The ratios the engine is judged by are printed under the tables, and drawn to --
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -49,7 +53,8 @@ from ..api import generate
 from ..fast import FusedLlama, compile_decode
 from ..formats import chat_format, load_model, load_tokenizer, packaged_model_path
 from ..formats.atomic import write_file
-from ..paged_cache import generate_paged
+from ..kv_cache import ContiguousCache
+from ..paged_cache import PagedCache, generate_paged
 
 try:
     import llama_cpp
@@ -109,6 +114,39 @@ def ours_serve(model, prompts, n, budget):
     out = generate(model, prompts, n, cache="paged", stop_tokens=[],
                    max_seq_len=max(map(len, prompts)) + n, max_num_batched_tokens=budget)
     return sum(map(len, out)) / (time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def paged_over_contiguous(model, prompt, n, rounds: int = 3) -> float:
+    """The paged cache's speed over the contiguous one's at batch 1, step by step: both decode
+    the same prompt side by side, their steps alternating (and which goes first too), so a
+    machine that slows down or speeds up touches both alike. The median, over every step of
+    `rounds` rounds, of contiguous seconds / paged seconds (above 1: the paged cache is faster)."""
+    p = next(model.parameters())
+    total = len(prompt) + n
+    ratios = []
+    for _ in range(rounds):
+        caches = [ContiguousCache(model.args, 1, total, device=p.device, dtype=p.dtype),
+                  PagedCache(model.args, -(-total // 16), 16, 1, total, device=p.device,
+                             dtype=p.dtype)]
+        tokens = []
+        for cache in caches:
+            cache.prepare([0], len(prompt))
+            logits = model(torch.tensor([prompt], device=p.device), cache=cache, last_only=True)
+            tokens.append(int(logits[0, -1].argmax()))
+        for step in range(n - 1):
+            seconds = [0.0, 0.0]
+            for j in (0, 1) if step % 2 else (1, 0):
+                start = time.perf_counter()
+                caches[j].prepare([0], 1)
+                logits = model(torch.tensor([[tokens[j]]], device=p.device), cache=caches[j])
+                tokens[j] = int(logits[0, -1].argmax())
+                seconds[j] = time.perf_counter() - start
+            ratios.append(seconds[0] / seconds[1])
+            if tokens[0] != tokens[1]:
+                raise RuntimeError(f"the paged cache's greedy token {tokens[1]} differs from the "
+                                   f"contiguous cache's {tokens[0]}: the timings compare nothing")
+    return statistics.median(ratios)
 
 
 # -- transformers ---------------------------------------------------------------------------------
@@ -275,7 +313,7 @@ def main(argv=None):
         console.print("llama_cpp is not installed: llama.cpp is left out "
                       "(pip install llama-cpp-python)")
 
-    decode, serve, notes = {}, {}, []
+    decode, serve, stepwise, notes = {}, {}, {}, []
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         model = load_model(path, dtype=dtype)
@@ -309,13 +347,16 @@ def main(argv=None):
                 "transformers generate_batch": lambda: hf_serve(hf, prompts, n)}
         if peer:
             runs["llama.cpp, one after another"] = lambda: peer.serve_one_by_one(prompts, n)
+        console.print(f"paged against contiguous, step by step, {dtype_name} ...")
+        stepwise[dtype_name] = {"Llama": paged_over_contiguous(model, one, n),
+                                "fast": paged_over_contiguous(fast, one, n)}
         console.print(f"{len(prompts)} requests, {dtype_name} ...")
         serve[dtype_name] = best_in_turns(runs, args.repeats)
         weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
         console.print(decode_table(decode[dtype_name], dtype_name, n, weight_bytes, bandwidth,
                                    args.repeats))
         console.print(serve_table(serve[dtype_name], dtype_name, len(prompts), n, args.repeats))
-        for line in ratios(decode[dtype_name], serve[dtype_name]):
+        for line in ratios(decode[dtype_name], serve[dtype_name], stepwise[dtype_name], n):
             console.print(f"  {dtype_name}: {line}")
         model = fast = hf = peer = None          # free this dtype's copies before the next
     for line in notes:
@@ -348,10 +389,12 @@ def serve_table(rates, dtype_name, k, n, repeats):
     return table
 
 
-def ratios(decode, serve) -> list[str]:
+def ratios(decode, serve, stepwise, n) -> list[str]:
     """The ratios the issue asks for, as sentences."""
     d, s = decode, serve
     lines = [
+        f"paged / contiguous, step by step (median of {3 * (n - 1)} interleaved steps): "
+        f"Llama {stepwise['Llama']:.3f}x, fast {stepwise['fast']:.3f}x",
         f"paged / contiguous, Llama: {d['minipaged Llama, paged cache'] / d['minipaged Llama, contiguous cache']:.2f}x, "
         f"fast: {d['minipaged.fast, paged cache'] / d['minipaged.fast, contiguous cache']:.2f}x; "
         f"engine / contiguous, fast: {d['minipaged.fast, engine'] / d['minipaged.fast, contiguous cache']:.2f}x",
