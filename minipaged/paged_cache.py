@@ -56,6 +56,7 @@ class PagedCache:
         # advances all their lengths with one addition (`prepare`).
         self.block_table = torch.empty((args.n_layers, max_seqs, max_blocks), dtype=torch.int32)
         self.seq_lens = torch.zeros((args.n_layers, max_seqs), dtype=torch.int32)
+        self._tables, self._lens = self.block_table.numpy(), self.seq_lens.numpy()  # same memory
         self.managers = [self.new_manager(num_blocks, block_size, args.n_kv_heads, args.head_dim,
                                           max_seqs, max_blocks, device=device, dtype=dtype,
                                           seed=seed + layer, block_table=self.block_table[layer],
@@ -85,7 +86,7 @@ class PagedCache:
         old = [s for s in seq_ids if s in first]
         # Every layer holds the same tokens, so every layer needs the same number of blocks:
         # check once, up front, so a failure leaves all layers untouched.
-        longest = int(first.seq_lens[seq_ids].max()) + num_new_tokens
+        longest = int(self._lens[0, seq_ids].max()) + num_new_tokens
         needed = len(new) * first.blocks_for(num_new_tokens) + \
             (first.blocks_needed(old, num_new_tokens) if old else 0)
         self.check_room(needed, longest)
@@ -98,7 +99,7 @@ class PagedCache:
         else:
             # Most decode steps: no sequence fills its last block, so no block changes hands
             # in any layer, and growing is only the lengths advancing: all layers' at once.
-            self.seq_lens[:, seq_ids] += num_new_tokens
+            self._lens[:, seq_ids] += num_new_tokens
         self.set_step(seq_ids, num_new_tokens)
 
     def set_step(self, seq_ids, num_new_tokens: int) -> None:
@@ -106,10 +107,11 @@ class PagedCache:
         from them (`plan_step`, once for all layers) where each layer writes the new tokens and
         which blocks it reads."""
         device = self.managers[0].device
-        rows = torch.as_tensor(seq_ids, dtype=torch.long)
-        width = max(1, int(self.managers[0].num_blocks_held[rows].max()))   # as block_table_for
-        self.step = plan_step(self.block_table[:, rows, :width], self.seq_lens[0, rows] -
-                              num_new_tokens, num_new_tokens, self.block_size, device)
+        lens = self._lens[0, seq_ids]                                                # (B,)
+        width = max(1, -(-int(lens.max()) // self.block_size))   # blocks the longest row holds
+        self.step = plan_step(torch.from_numpy(self._tables[:, seq_ids, :width]),
+                              torch.from_numpy(lens - num_new_tokens), num_new_tokens,
+                              self.block_size, device)
         self.cache_seqlens, self.positions = self.step.cache_seqlens, self.step.positions
         self.block_tables = self.step.block_tables
         self._implementation = None
