@@ -146,21 +146,13 @@ def owned_block_table(q, k_cache, k, cache_seqlens, cache_batch_idx, block_table
             f"a row needs {L} slots but its block table addresses only {capacity} "
             f"({block_table.shape[1]} blocks of {block_size}); give it more blocks first")
 
-    table = owned_entries(block_table, seqlens_k, L, block_size)             # (B, n)
+    n = -(-L // block_size)                                                   # ceil(L / bs)
+    owned = torch.arange(n, device=device) * block_size < seqlens_k[:, None]  # (B, n)
+    table = torch.where(owned, block_table[:, :n].long(), 0)                  # (B, n)
     if table.numel() and (int(table.min()) < 0 or int(table.max()) >= num_blocks):
         raise ValueError(f"block_table (or cache_batch_idx) points outside k_cache's "
                          f"{num_blocks} blocks (rows): every block a row uses must exist")
     return table, cache_seqlens, seqlens_k
-
-
-def owned_entries(block_table, seqlens_k, L: int, block_size: int):
-    """Row b of `block_table` (B, W) cut to the n = ceil(L / block_size) blocks the longest row
-    needs, each entry past the seqlens_k[b] keys row b owns replaced by block 0: (B, n) int64."""
-    device = block_table.device
-    n = -(-L // block_size)                                                   # ceil(L / bs)
-    owned = torch.arange(n, device=device) * block_size < seqlens_k[:, None]  # (B, n)
-    table = torch.where(owned, block_table[:, :n].long(), 0)                  # (B, n)
-    return table
 
 
 def write_new_kv(k_cache, v_cache, k, v, table, cache_seqlens) -> None:

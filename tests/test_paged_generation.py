@@ -266,6 +266,10 @@ def test_a_steps_stacked_tables_are_each_layers_own_under_random_steps():
         for layer, m in enumerate(cache.managers):
             assert torch.equal(cache.block_tables[layer], m.block_table_for(ids))
             assert m.block_table.data_ptr() == cache.block_table[layer].data_ptr()
+            # lengths advanced for all layers at once (no block changing hands) or by each
+            # manager's grow: every layer holds the tokens counted here
+            assert m.seq_lens_for(ids).tolist() == [live[s] for s in ids]
+            assert m.num_blocks_held[ids].tolist() == [-(-live[s] // 4) for s in ids]
         assert cache.step.block_tables is cache.block_tables
     assert len({tuple(m.block_table.flatten().tolist()) for m in cache.managers}) > 1
 

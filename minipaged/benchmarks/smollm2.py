@@ -70,6 +70,7 @@ QUESTIONS = [
     "Describe how a paged memory system works in an operating system. " * 4,
     "Here is some context. " * 40 + "Now say hello.",
 ]
+STEP_ROUNDS = 3        # rounds of `paged_over_contiguous`, each n - 1 steps of both caches
 LLAMA_CPP_TYPES = {torch.float32: "F32", torch.bfloat16: "F16"}   # the peer of each dtype
 
 
@@ -117,7 +118,7 @@ def ours_serve(model, prompts, n, budget):
 
 
 @torch.inference_mode()
-def paged_over_contiguous(model, prompt, n, rounds: int = 3) -> float:
+def paged_over_contiguous(model, prompt, n, rounds: int = STEP_ROUNDS) -> float:
     """The paged cache's speed over the contiguous one's at batch 1, step by step: both decode
     the same prompt side by side, their steps alternating (and which goes first too), so a
     machine that slows down or speeds up touches both alike. The median, over every step of
@@ -393,7 +394,8 @@ def ratios(decode, serve, stepwise, n) -> list[str]:
     """The ratios the issue asks for, as sentences."""
     d, s = decode, serve
     lines = [
-        f"paged / contiguous, step by step (median of {3 * (n - 1)} interleaved steps): "
+        f"paged / contiguous, step by step (median of {STEP_ROUNDS * (n - 1)} interleaved "
+        f"steps): "
         f"Llama {stepwise['Llama']:.3f}x, fast {stepwise['fast']:.3f}x",
         f"paged / contiguous, Llama: {d['minipaged Llama, paged cache'] / d['minipaged Llama, contiguous cache']:.2f}x, "
         f"fast: {d['minipaged.fast, paged cache'] / d['minipaged.fast, contiguous cache']:.2f}x; "
