@@ -4,6 +4,7 @@ refused with a sentence that names the problem."""
 
 import math
 import os
+import shutil
 from pathlib import Path
 
 import gguf
@@ -211,18 +212,59 @@ def test_missing_hyperparameter(tmp_path, tiny):
 
 
 # -- the cache ----------------------------------------------------------------------------------
-def test_second_load_comes_from_the_cache_until_the_file_changes(tmp_path, tiny, monkeypatch):
+@pytest.fixture
+def readers(monkeypatch):
+    """The files a GGUFReader is opened on (a load the cache serves opens none)."""
+    opened, real_reader = [], gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda f, *a, **k: opened.append(Path(f).name)
+                        or real_reader(f, *a, **k))
+    return opened
+
+
+def cached_folders(tmp_path):
+    return sorted(p.name for p in (tmp_path / "cache" / "minipaged" / "gguf").iterdir()
+                  if p.is_dir())
+
+
+def test_second_load_comes_from_the_cache_until_the_bytes_change(tmp_path, tiny, readers):
     path = write_llama(tmp_path / "c.gguf", tiny)
     first = load_model(path)
-    assert (cache_dir(path) / "weights-float32.safetensors").is_file()
-    opened = []
-    real_reader = gguf.GGUFReader
-    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: opened.append(a) or real_reader(*a, **k))
+    assert (cache_dir(path) / "weights-float32.safetensors").is_file() and readers == ["c.gguf"]
     again = load_model(path)
-    assert opened == [] and torch.equal(again.output.weight, first.output.weight)
+    assert readers == ["c.gguf"] and torch.equal(again.output.weight, first.output.weight)
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))   # touched
     load_model(path)
-    assert len(opened) == 1
+    assert readers == ["c.gguf"]                          # hashed again: the same bytes
+    old_folder = cache_dir(path).name
+    other = tiny_model(seed=1, dtype=torch.float32, use_scaled_rope=False)
+    write_llama(path, other)                              # new bytes at the same path
+    assert torch.equal(load_model(path).output.weight, other.output.weight)
+    assert readers == ["c.gguf", "c.gguf"]
+    assert cached_folders(tmp_path) == [cache_dir(path).name] != [old_folder]   # the old one went
+
+
+def test_copies_of_one_file_share_one_cache_folder(tmp_path, tiny, readers):
+    """Each virtual environment installs its own copy of a packaged GGUF: a cache keyed by the
+    path grew by the whole dequantized model with every new environment."""
+    (tmp_path / "venv0").mkdir()
+    first = write_llama(tmp_path / "venv0" / "m.gguf", tiny)
+    load_model(first)
+    for i in range(1, 4):
+        copy = tmp_path / f"venv{i}" / "m.gguf"
+        copy.parent.mkdir()
+        copy.write_bytes(first.read_bytes())
+        assert torch.equal(load_model(copy).output.weight, tiny.output.weight)
+    assert readers == ["m.gguf"] and cached_folders(tmp_path) == [cache_dir(first).name]
+    shutil.rmtree(tmp_path / "venv0")                     # an environment removed: its copy's
+    assert cached_folders(tmp_path) == [cache_dir(copy).name]    # folder serves the others
+
+
+def test_damaged_hash_index_is_rebuilt(tmp_path, tiny, readers):
+    path = write_llama(tmp_path / "h.gguf", tiny)
+    load_model(path)
+    (tmp_path / "cache" / "minipaged" / "gguf" / "hashes.json").write_text('{"x": 1, "y": [')
+    assert torch.equal(load_model(path).output.weight, tiny.output.weight)
+    assert readers == ["h.gguf"]                          # hashed again, then served by the cache
 
 
 def test_damaged_cache_is_ignored(tmp_path, tiny):

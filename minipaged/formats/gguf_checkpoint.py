@@ -15,16 +15,20 @@ converter applies to Hugging Face's q_proj/k_proj exactly the permutation `hf_to
 applies: a GGUF's attn_q/attn_k are already in Meta's order.
 
 Dequantizing takes seconds and parsing the metadata (every token and merge as a string) takes
-more, so both are cached after the first load, in one folder per GGUF file:
+more, so both are cached after the first load, in one folder per GGUF file's bytes:
 
-    $XDG_CACHE_HOME/minipaged/gguf/<name>-<hash of the path>/   (default ~/.cache/minipaged/...)
-        source.json                the file's size, mtime and inode when the cache was written
-        metadata.json              the metadata and tensor shapes
-        weights-<dtype>.safetensors  the dequantized weights, Meta's names, one file per dtype
+    $XDG_CACHE_HOME/minipaged/gguf/           (default ~/.cache/minipaged/gguf/)
+        hashes.json                      each path's SHA-256, with its size, mtime and inode
+        <name>-<SHA-256 of the bytes>/
+            source.json                  the cache's format, written once metadata.json is
+            metadata.json                the metadata and tensor shapes
+            weights-<dtype>.safetensors  the dequantized weights, Meta's names, one per dtype
 
-A file whose size, modification time or inode changed is read again. Each cache file is
-written under a temporary name and renamed (`atomic.py`), so a load stopped half-way (Ctrl-C,
-a kill) never leaves half a file; the temporaries of a killed load are removed by the next.
+Naming a folder by the file's bytes, not its path, lets every copy of a file share one folder
+(each virtual environment installs its own copy of a packaged GGUF); a file whose bytes changed
+is read again. Each cache file is written under a temporary name and renamed (`atomic.py`), so
+a load stopped half-way (Ctrl-C, a kill) never leaves half a file; the temporaries of a killed
+load are removed by the next.
 Clear the cache with `rm -rf ~/.cache/minipaged/gguf` (or `$XDG_CACHE_HOME/minipaged/gguf`).
 """
 
@@ -34,6 +38,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -49,7 +54,7 @@ from .checkpoint import model_args
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 2      # bump when what the cache holds changes (2: temporaries name their writer)
+CACHE_FORMAT = 3      # bump when what the cache holds changes (3: folders named by content)
 GGUF_MAGIC = b"GGUF"
 
 # The quantization types we dequantize (all through gguf.quants): plain floats, the classic
@@ -199,35 +204,69 @@ def args_from_gguf(meta: dict, source="the GGUF file") -> ModelArgs:
 
 
 # -- the cache ---------------------------------------------------------------------------------
+def _cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minipaged" / "gguf"
+
+
 def cache_dir(file: Path) -> Path:
-    """Where the dequantized weights and parsed metadata of `file` are kept."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    key = hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:12]
-    return root / "minipaged" / "gguf" / f"{file.stem}-{key}"
+    """Where the dequantized weights and parsed metadata of `file` are kept: a folder named by
+    the hash of the file's bytes, so every copy of one file (each virtual environment installs
+    its own) shares one folder."""
+    return _cache_root() / f"{Path(file).stem}-{content_hash(file)[:12]}"
 
 
-def _stamp(file: Path) -> dict:
-    st = file.stat()
-    return {"format": CACHE_FORMAT, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "inode": st.st_ino}
-
-
-def _cache_valid(file: Path) -> bool:
+def content_hash(file: Path) -> str:
+    """The SHA-256 of `file`'s bytes. Reading the file takes a moment (0.07 s for SmolLM2's
+    98 MB), so each path's hash is kept in the cache's `hashes.json` with the size, mtime and
+    inode it was taken at, and taken again only when one of them changes. When a path's bytes
+    change, the folder of its old bytes goes too, unless another path still has those bytes."""
+    file = Path(file).resolve()
+    index_file = _cache_root() / "hashes.json"
     try:
-        return json.loads((cache_dir(file) / "source.json").read_text()) == _stamp(file)
-    except (OSError, ValueError):
+        index = {path: e for path, e in json.loads(index_file.read_text()).items()
+                 if isinstance(e, dict) and e.keys() == {"stamp", "sha256"}}
+    except (OSError, ValueError, AttributeError):
+        index = {}
+    st = file.stat()
+    stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+    known = index.get(str(file))
+    if known and known["stamp"] == stamp:
+        return known["sha256"]
+    sha = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    digest = sha.hexdigest()
+    index = {path: e for path, e in index.items() if Path(path).exists()}   # gone venvs
+    index[str(file)] = {"stamp": stamp, "sha256": digest}
+    if known and all(e["sha256"] != known["sha256"] for e in index.values()):
+        shutil.rmtree(_cache_root() / f"{file.stem}-{known['sha256'][:12]}", ignore_errors=True)
+    try:
+        index_file.parent.mkdir(parents=True, exist_ok=True)
+        write_file(index_file, lambda p: Path(p).write_text(json.dumps(index)))
+    except OSError as e:
+        log.warning("could not write %s (%s); %s will be hashed again", index_file, e, file)
+    return digest
+
+
+def _cache_valid(folder: Path) -> bool:
+    """Whether `folder` is complete: source.json is written last, after metadata.json."""
+    try:
+        return json.loads((folder / "source.json").read_text())["format"] == CACHE_FORMAT
+    except (OSError, ValueError, TypeError, KeyError):
         return False
 
 
-def _save_cache(file: Path, meta: dict, state: dict | None = None, dtype=None) -> None:
-    folder = cache_dir(file)
+def _save_cache(file: Path, folder: Path, meta: dict, state: dict | None = None,
+                dtype=None) -> None:
     try:
-        if not _cache_valid(file):        # a new or changed file: start the folder afresh
+        if not _cache_valid(folder):      # a new file: start the folder afresh
             folder.mkdir(parents=True, exist_ok=True)
             for old in folder.iterdir():
                 old.unlink()
             write_file(folder / "metadata.json", lambda p: Path(p).write_text(json.dumps(meta)))
-            write_file(folder / "source.json", lambda p: Path(p).write_text(json.dumps(_stamp(file))))
+            write_file(folder / "source.json",
+                       lambda p: Path(p).write_text(json.dumps({"format": CACHE_FORMAT})))
         if state is not None:
             write_file(folder / f"weights-{_dtype_name(dtype)}.safetensors",
                           lambda p: save_file(state, p))
@@ -242,26 +281,26 @@ def _dtype_name(dtype) -> str:
 # -- the two readers the loaders call ------------------------------------------------------------
 def gguf_metadata(file) -> dict:
     """The metadata of a GGUF file (from the cache when it is fresh): every key, and `tensors`."""
-    file = Path(file)
-    remove_orphans(cache_dir(file))
-    if _cache_valid(file):
+    file, folder = Path(file), cache_dir(file)
+    remove_orphans(folder)
+    if _cache_valid(folder):
         try:
-            return json.loads((cache_dir(file) / "metadata.json").read_text())
+            return json.loads((folder / "metadata.json").read_text())
         except (OSError, ValueError):
             pass
     meta = _read_metadata(_open(file))
-    _save_cache(file, meta)
+    _save_cache(file, folder, meta)
     return meta
 
 
 def read_gguf(file, dtype=None):
     """(ModelArgs, state dict with Meta's names) of a GGUF file, dequantized to `dtype`
     (default float32), from the cache when it is fresh."""
-    file = Path(file)
+    file, folder = Path(file), cache_dir(file)
     dtype = dtype or torch.float32
-    remove_orphans(cache_dir(file))
-    weights = cache_dir(file) / f"weights-{_dtype_name(dtype)}.safetensors"
-    if _cache_valid(file) and weights.is_file():
+    remove_orphans(folder)
+    weights = folder / f"weights-{_dtype_name(dtype)}.safetensors"
+    if _cache_valid(folder) and weights.is_file():
         try:
             state = load_file(weights)
         except Exception as e:            # a damaged cache file: read the GGUF again
@@ -275,7 +314,7 @@ def read_gguf(file, dtype=None):
     for t in reader.tensors:
         name = meta_name(t.name)          # rope factors stay float32: they set frequencies
         state[name] = dequantize(t, torch.float32 if name == "rope_freqs.weight" else dtype)
-    _save_cache(file, meta, state, dtype)
+    _save_cache(file, folder, meta, state, dtype)
     return _with_rope_factors(args, state)
 
 
