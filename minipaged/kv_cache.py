@@ -104,8 +104,8 @@ def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=
         # seqlens_k[b] keys. Attending row by row over them needs no mask and never touches
         # stale slots or the padding up to the longest row; on a CPU that loop beats one
         # masked call over the padded batch (flash-attn's kernel does the same per row).
-        y = torch.cat([sdpa(q[b:b + 1], k_ctx[b:b + 1, :, :n], v_ctx[b:b + 1, :, :n], scale)
-                       if n > 0 else torch.zeros_like(q[b:b + 1]) for b, n in enumerate(lens)])
+        y = attend_rows(q, [k_ctx[b, :, :n] for b, n in enumerate(lens)],
+                        [v_ctx[b, :, :n] for b, n in enumerate(lens)], scale)
     elif full and Sq in (1, L):
         # A decode step of one sequence (or of rows of one length), or whole prompts, causal:
         # nothing to mask, one call.
@@ -113,6 +113,13 @@ def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=
     else:
         y = masked_attention(q, k_ctx, v_ctx, seqlens_k, causal, scale)
     return y.transpose(1, 2)                                                  # (B, Sq, Hq, D)
+
+
+def attend_rows(q, keys, values, scale):
+    """Row b's one query, q[b] (Hq, 1, D), over its own keys[b] and values[b] (Hk, n_b, D):
+    the decode of rows of different lengths, (B, Hq, 1, D) out. A row with no key gets zeros."""
+    return torch.cat([sdpa(q[b:b + 1], k[None], v[None], scale) if k.shape[1] else
+                      torch.zeros_like(q[b:b + 1]) for b, (k, v) in enumerate(zip(keys, values))])
 
 
 def sdpa(q, k, v, scale, **options):

@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from .kv_cache import attention_over_cache
+from .kv_cache import attend_rows, attention_over_cache
 
 try:  # optional: the CUDA kernel, `pip install flash-attn --no-build-isolation`
     import flash_attn
@@ -177,9 +177,12 @@ def write_new_kv(k_cache, v_cache, k, v, table, cache_seqlens) -> None:
 def _gather_and_attend(q, k_cache, v_cache, table, seqlens_k, causal, softmax_scale, num_splits):
     """The "torch" backend: gather each row's blocks, then attend (`num_splits` is a kernel's
     knob; it means nothing here)."""
-    L = max(seqlens_k.tolist())                           # the longest row: all we gather
+    lens = seqlens_k.tolist()
+    L = max(lens)                                         # the longest row: all we gather
+    if q.shape[1] == 1 and min(lens) < L:
+        return _gather_rows_and_attend(q, k_cache, v_cache, table, lens, softmax_scale)
     k_ctx, v_ctx = _gather(k_cache, table, L), _gather(v_cache, table, L)    # (B, L, Hk, D)
-    # the same masked attention as the contiguous cache
+    # the same attention as the contiguous cache
     return attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=causal,
                                 softmax_scale=softmax_scale)
 
@@ -192,6 +195,27 @@ def _gather(cache, table, L):
     """
     blocks = cache.index_select(0, table.reshape(-1))          # (B * n, block_size, Hk, D)
     return blocks.view(table.shape[0], -1, *cache.shape[2:])[:, :L]    # (B, L, Hk, D)
+
+
+def _gather_rows_and_attend(q, k_cache, v_cache, table, lens, softmax_scale):
+    """A decode step whose rows differ in length. Each row attends alone (`attend_rows`), so
+    the rows need not be padded to the longest: only the blocks they own are gathered, one
+    row's after the other (in a batch of 16 chat requests with one long prompt, less than
+    half the blocks a padded gather copies)."""
+    block_size, (Hk, D) = k_cache.shape[1], k_cache.shape[2:]
+    counts = torch.tensor([-(-n // block_size) for n in lens])                # blocks per row
+    n = int(counts.max())
+    owned = table[:, :n][torch.arange(n) < counts[:, None]]                  # row after row
+    # (each pool seen as a matrix, one block a row: in float32, index_select copies those rows
+    # twice as fast as the blocks of the 4-D pool)
+    k_all, v_all = (c.view(c.shape[0], -1).index_select(0, owned).view(-1, Hk, D)
+                    for c in (k_cache, v_cache))            # (sum of counts * block_size, Hk, D)
+    starts = ((counts.cumsum(0) - counts) * block_size).tolist()            # each row's first slot
+    rows = [slice(s, s + length) for s, length in zip(starts, lens)]
+    scale = softmax_scale if softmax_scale is not None else D ** -0.5
+    y = attend_rows(q.transpose(1, 2), [k_all[r].transpose(0, 1) for r in rows],
+                    [v_all[r].transpose(0, 1) for r in rows], scale)        # (B, Hq, 1, D)
+    return y.transpose(1, 2)
 
 
 register_backend("torch", _gather_and_attend)
