@@ -174,6 +174,7 @@ def test_not_a_gguf_file(tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"PK\x03\x04 this is a zip")
     with pytest.raises(CheckpointError, match=r"not a GGUF file: it starts with b'PK"):
         load_model(tmp_path / "x.gguf")
+    assert not (tmp_path / "cache").exists()      # refused before the cache hashed or wrote
 
 
 def test_other_architecture_is_named(tmp_path, tiny):

@@ -102,13 +102,18 @@ def find_gguf(path) -> Path | None:
 
 
 # -- reading the file -------------------------------------------------------------------------
-def _open(file: Path):
-    """A GGUFReader over `file`, or a CheckpointError saying what is wrong with it."""
+def _check_magic(file: Path) -> None:
+    """Refuse a file that is not GGUF at all, before the cache hashes it or writes a thing."""
     with open(file, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise CheckpointError(f"{file} is not a GGUF file: it starts with {magic!r}, not "
                               f"{GGUF_MAGIC!r}")
+
+
+def _open(file: Path):
+    """A GGUFReader over `file`, or a CheckpointError saying what is wrong with it."""
+    _check_magic(file)
     try:        # the reader maps every tensor at once, so a cut file fails here
         return gguf.GGUFReader(file)
     except Exception as e:
@@ -281,6 +286,7 @@ def _dtype_name(dtype) -> str:
 # -- the two readers the loaders call ------------------------------------------------------------
 def gguf_metadata(file) -> dict:
     """The metadata of a GGUF file (from the cache when it is fresh): every key, and `tensors`."""
+    _check_magic(Path(file))
     file, folder = Path(file), cache_dir(file)
     remove_orphans(folder)
     if _cache_valid(folder):
@@ -296,6 +302,7 @@ def gguf_metadata(file) -> dict:
 def read_gguf(file, dtype=None):
     """(ModelArgs, state dict with Meta's names) of a GGUF file, dequantized to `dtype`
     (default float32), from the cache when it is fresh."""
+    _check_magic(Path(file))
     file, folder = Path(file), cache_dir(file)
     dtype = dtype or torch.float32
     remove_orphans(folder)
