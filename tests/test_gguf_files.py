@@ -256,8 +256,9 @@ def test_copies_of_one_file_share_one_cache_folder(tmp_path, tiny, readers):
         copy.write_bytes(first.read_bytes())
         assert torch.equal(load_model(copy).output.weight, tiny.output.weight)
     assert readers == ["m.gguf"] and cached_folders(tmp_path) == [cache_dir(first).name]
-    shutil.rmtree(tmp_path / "venv0")                     # an environment removed: its copy's
-    assert cached_folders(tmp_path) == [cache_dir(copy).name]    # folder serves the others
+    shutil.rmtree(tmp_path / "venv0")     # the environment whose copy made the folder is gone:
+    assert torch.equal(load_model(copy).output.weight, tiny.output.weight)   # the folder serves on
+    assert readers == ["m.gguf"] and cached_folders(tmp_path) == [cache_dir(copy).name]
 
 
 def test_damaged_hash_index_is_rebuilt(tmp_path, tiny, readers):
