@@ -202,14 +202,12 @@ def _gather_rows_and_attend(q, k_cache, v_cache, table, lens, softmax_scale):
     the rows need not be padded to the longest: only the blocks they own are gathered, one
     row's after the other (in a batch of 16 chat requests with one long prompt, less than
     half the blocks a padded gather copies)."""
-    block_size, (Hk, D) = k_cache.shape[1], k_cache.shape[2:]
+    block_size, D = k_cache.shape[1], k_cache.shape[3]
     counts = torch.tensor([-(-n // block_size) for n in lens])                # blocks per row
     n = int(counts.max())
     owned = table[:, :n][torch.arange(n) < counts[:, None]]                  # row after row
-    # (each pool seen as a matrix, one block a row: in float32, index_select copies those rows
-    # twice as fast as the blocks of the 4-D pool)
-    k_all, v_all = (c.view(c.shape[0], -1).index_select(0, owned).view(-1, Hk, D)
-                    for c in (k_cache, v_cache))            # (sum of counts * block_size, Hk, D)
+    k_all = k_cache.index_select(0, owned).flatten(0, 1)   # (sum of counts * block_size, Hk, D)
+    v_all = v_cache.index_select(0, owned).flatten(0, 1)
     starts = ((counts.cumsum(0) - counts) * block_size).tolist()            # each row's first slot
     rows = [slice(s, s + length) for s, length in zip(starts, lens)]
     scale = softmax_scale if softmax_scale is not None else D ** -0.5

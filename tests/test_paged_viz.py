@@ -50,6 +50,26 @@ def test_every_position_comes_from_the_block_its_table_names():
     plt.close(fig)
 
 
+def test_packed_draws_each_sequences_own_blocks_one_after_another():
+    """A decode step whose rows differ in length gathers only the blocks sequences own: the
+    drawing's cells, left to right, are the block tables' entries, sequence after sequence."""
+    cm = small_pool()
+    fig = viz.plot_gather(cm, [0, 1, 2], packed=True)
+    cells = sorted((p.get_x(), p.get_gid()) for p in fig.axes[0].patches
+                   if (p.get_gid() or "").startswith(("gathered-", "masked-")))
+    expected = []
+    for s, n in LENGTHS.items():
+        table = cm.block_table_for([s])[0].tolist()          # the manager's own table
+        held = [b for b in table if b >= 0]
+        assert len(held) == -(-n // BS)
+        expected += [f"gathered-{s}-{p}-{held[p // BS]}" for p in range(n)]
+        expected += [f"masked-{s}-{p}" for p in range(n, len(held) * BS)]   # a last block's tail
+    assert [gid for _, gid in cells] == expected
+    assert len({y for y in (p.get_y() for p in fig.axes[0].patches
+                            if (p.get_gid() or "").startswith("gathered-"))}) == 1   # one line
+    plt.close(fig)
+
+
 def test_the_newest_token_is_outlined_at_block_pos_div_bs_offset_pos_mod_bs():
     cm = small_pool()
     fig = viz.plot_gather(cm, [0, 1, 2])

@@ -11,7 +11,8 @@ sequence's logical blocks with an arrow to the physical block holding it; `rich_
 the same picture in a terminal. Every function reads a CacheManager, never changes it.
 
 Stage 3 (paged attention): `plot_gather` draws one layer's pool slot by slot and, below it, the
-contiguous (B, L) view that attention gathers each row's scattered blocks into;
+contiguous (B, L) view that attention gathers each row's scattered blocks into (`packed=True`:
+a decode step's gather of the blocks rows own, one row's after the other);
 `plot_slots_held` draws the slots each cache holds over a static batch, beside the tokens stored.
 
 Stage 3b (inside the kernel): `plot_program_grid` (the kernel's programs, one per sequence and

@@ -3,6 +3,7 @@ the slots each cache holds over a run."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import matplotlib.pyplot as plt
@@ -163,15 +164,19 @@ def rich_pool(cm, cols: int | None = None, title: str = "KV block pool"):
 
 # -- stage 3: what attention gathers -------------------------------------------------------------
 
-def plot_gather(cache, seq_ids=None, layer: int = 0, cols: int | None = None, newest: bool = True):
+def plot_gather(cache, seq_ids=None, layer: int = 0, cols: int | None = None, newest: bool = True,
+                packed: bool = False):
     """One layer's pool, slot by slot (top), gathered into the contiguous (B, L) view (bottom).
 
     `cache` is a PagedCache (its `managers[layer]` is drawn) or a CacheManager. Row b of the
     view holds sequence seq_ids[b]'s tokens in order, L = the longest sequence; each group of
     `block_size` slots is copied from the physical block its block table names (arrows). Slots
-    past a row's length are masked (hatched). With `newest`, each sequence's last token — the
-    one a decode step just wrote at block = pos // block_size, offset = pos % block_size — is
-    outlined in both places. Returns the matplotlib Figure.
+    past a row's length are masked (hatched). With `packed`, the gather of a decode step whose
+    rows differ in length: only the blocks each sequence holds, one sequence's after the other
+    on one line (hatched: the slots of a last block past the sequence's length, copied but not
+    read). With `newest`, each sequence's last token — the one a decode step just wrote at
+    block = pos // block_size, offset = pos % block_size — is outlined in both places.
+    Returns the matplotlib Figure.
     """
     cm = cache.managers[layer] if hasattr(cache, "managers") else cache
     seq_ids = cm.live_seq_ids() if seq_ids is None else list(seq_ids)
@@ -190,8 +195,12 @@ def plot_gather(cache, seq_ids=None, layer: int = 0, cols: int | None = None, ne
 
     pool_rows = -(-cm.num_blocks // cols)
     view_top = -pool_rows * 1.5 - 1.5                      # the gathered view sits below the pool
-    width = max(cols * (bs + 1), n * (bs + 0.5) + 2)
-    fig, ax = plt.subplots(figsize=(min(16, 0.32 * width + 1), 0.32 * (pool_rows * 1.5 + 1.5 * len(seq_ids) + 3) + 1))
+    view_rows = 1 if packed else len(seq_ids)
+    # where each sequence's part of the view starts: its own row, or after the one before it
+    starts = list(itertools.accumulate([len(held[s]) * (bs + 0.5) + 1 for s in seq_ids],
+                                       initial=2.0)) if packed else [2.0] * len(seq_ids)
+    width = max(cols * (bs + 1), (starts[-1] if packed else n * (bs + 0.5) + 2))
+    fig, ax = plt.subplots(figsize=(min(16, 0.32 * width + 1), 0.32 * (pool_rows * 1.5 + 1.5 * view_rows + 3) + 1))
     corner = {}
     for b in range(cm.num_blocks):                         # the pool: block b, slots 0..bs-1
         x0, y0 = (b % cols) * (bs + 1), -(b // cols) * 1.5
@@ -203,13 +212,14 @@ def plot_gather(cache, seq_ids=None, layer: int = 0, cols: int | None = None, ne
             cell(ax, x0 + o, y0, seq_color(s) if s >= 0 else FREE_COLOR,
                  alpha=1.0 if full or s < 0 else 0.25, gid=f"slot-{b}-{o}",
                  outline=newest and s in newest_slot and newest_slot[s] == (b, o))
-    for r, (s, m) in enumerate(zip(seq_ids, lens)):        # the view: row r, positions 0..L-1
-        y = view_top - r * 1.5
-        ax.text(-0.3, y + 0.45, f"seq {s}", ha="right", va="center", fontsize=8)
-        for p in range(n * bs):
-            j, x = p // bs, 2 + p + (p // bs) * 0.5
-            if p >= L:
-                continue
+    for r, (s, m) in enumerate(zip(seq_ids, lens)):        # the view: sequence r's positions
+        y, x0 = (view_top, starts[r]) if packed else (view_top - r * 1.5, 2.0)
+        if packed:
+            ax.text(x0, y - 0.6, f"seq {s}", va="center", fontsize=8)
+        else:
+            ax.text(-0.3, y + 0.45, f"seq {s}", ha="right", va="center", fontsize=8)
+        for p in range(len(held[s]) * bs if packed else L):
+            j, x = p // bs, x0 + p + (p // bs) * 0.5
             if p < m:
                 cell(ax, x, y, seq_color(s), gid=f"gathered-{s}-{p}-{held[s][j]}",
                      outline=newest and p == m - 1)
@@ -217,21 +227,24 @@ def plot_gather(cache, seq_ids=None, layer: int = 0, cols: int | None = None, ne
                 cell(ax, x, y, FREE_COLOR, hatch="////", gid=f"masked-{s}-{p}")
         for j, b in enumerate(held[s]):                    # arrows: block table entry j -> block b
             bx, by = corner[b]
-            x = 2 + j * (bs + 0.5) + bs / 2
+            x = x0 + j * (bs + 0.5) + bs / 2
             ax.text(x, y + 1.0, f"blk {b}", ha="center", fontsize=6.5)
             ax.add_patch(FancyArrowPatch((bx + bs / 2, by - 0.05), (x, y + 1.35),
                                          arrowstyle="-|>", mutation_scale=8, lw=0.7,
                                          color=seq_color(s), alpha=0.6,
                                          connectionstyle="arc3,rad=0.1", gid=f"gather-{s}-{j}"))
-    for j in range(n):                                     # positions under the last row
-        ax.text(2 + j * (bs + 0.5), view_top - 1.5 * len(seq_ids) + 0.9, f"pos {j * bs}",
-                fontsize=6.5)
+    if not packed:
+        for j in range(n):                                 # positions under the last row
+            ax.text(2 + j * (bs + 0.5), view_top - 1.5 * len(seq_ids) + 0.9, f"pos {j * bs}",
+                    fontsize=6.5)
     ax.text(0, 1.8, f"layer {layer}: the pool, {cm.num_blocks} blocks x {bs} slots",
             fontsize=9)
-    ax.text(0, view_top + 1.9, f"gathered view ({len(seq_ids)}, L={L}): blocks in block-table "
-            f"order, hatched = masked", fontsize=9)
+    title = (f"packed ({sum(map(len, held.values()))} blocks): each sequence's own blocks, one "
+             f"sequence after another, hatched = copied, not read") if packed else (
+             f"gathered view ({len(seq_ids)}, L={L}): blocks in block-table order, hatched = masked")
+    ax.text(0, view_top + 1.9, title, fontsize=9)
     ax.set_xlim(-2.5, width + 0.5)
-    ax.set_ylim(view_top - 1.5 * max(len(seq_ids), 1) + 1, 2.4)
+    ax.set_ylim(view_top - 1.5 * max(view_rows, 1) + 1, 2.4)
     ax.set_aspect("equal")
     ax.axis("off")
     _legend(ax, seq_ids)
