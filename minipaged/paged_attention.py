@@ -245,9 +245,9 @@ def plan_step(block_tables, cache_seqlens, num_new_tokens: int, block_size: int,
 
     The arithmetic is numpy's, on the CPU, as vLLM's model runner prepares a step: it is a
     dozen operations on arrays of a few dozen numbers, where each torch call would cost more
-    than its work (here, 25 us for the step against 58 us in torch).
+    than its work (here, for 30 layers: 25 us a step of one sequence, 38 us of sixteen).
     """
-    n_layers, B, _ = block_tables.shape
+    B = block_tables.shape[1]
     before = cache_seqlens.numpy().astype(np.int64)                          # (B,)
     seqlens_k = before + num_new_tokens                                       # (B,)
     n = -(-int(seqlens_k.max()) // block_size)          # blocks the longest row needs
@@ -255,8 +255,7 @@ def plan_step(block_tables, cache_seqlens, num_new_tokens: int, block_size: int,
     tables = np.where(owned, block_tables.numpy()[:, :, :n], 0).astype(np.int64)  # (layers, B, n)
     # write_new_kv's slot mapping, split into block and offset at once
     positions = before[:, None] + np.arange(num_new_tokens)                   # (B, T)
-    logical = np.broadcast_to(positions // block_size, (n_layers, B, num_new_tokens))
-    blocks = np.take_along_axis(tables, logical, axis=2)                      # (layers, B, T)
+    blocks = tables[:, np.arange(B)[:, None], positions // block_size]        # (layers, B, T)
     return PagedStep(cache_seqlens.to(device), *(torch.from_numpy(a).to(device) for a in (
         seqlens_k, block_tables.numpy(), tables, positions, blocks, positions % block_size)))
 
