@@ -104,7 +104,7 @@ def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=
         # seqlens_k[b] keys. Attending row by row over them needs no mask and never touches
         # stale slots or the padding up to the longest row; on a CPU that loop beats one
         # masked call over the padded batch (flash-attn's kernel does the same per row).
-        q_, k_ctx, v_ctx = upcast(q, k_ctx, v_ctx)        # once for all rows, as sdpa would
+        q_, k_ctx, v_ctx = upcast(q, k_ctx, v_ctx)        # bf16 -> float32 once, not per row
         y = attend_rows(q_, [k_ctx[b, :, :n] for b, n in enumerate(lens)],   # row by row
                         [v_ctx[b, :, :n] for b, n in enumerate(lens)], scale).to(q.dtype)
     elif full and Sq in (1, L):

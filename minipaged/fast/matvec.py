@@ -30,8 +30,8 @@ fp64, another device), several rows are one plain product.
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
-from torch import nn
 
 
 def onednn_weight(weight: torch.Tensor):
