@@ -104,8 +104,9 @@ def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=
         # seqlens_k[b] keys. Attending row by row over them needs no mask and never touches
         # stale slots or the padding up to the longest row; on a CPU that loop beats one
         # masked call over the padded batch (flash-attn's kernel does the same per row).
-        y = attend_rows(q, [k_ctx[b, :, :n] for b, n in enumerate(lens)],
-                        [v_ctx[b, :, :n] for b, n in enumerate(lens)], scale)
+        q_, k_ctx, v_ctx = upcast(q, k_ctx, v_ctx)        # bf16 -> float32 once, not per row
+        y = attend_rows(q_, [k_ctx[b, :, :n] for b, n in enumerate(lens)],   # row by row
+                        [v_ctx[b, :, :n] for b, n in enumerate(lens)], scale).to(q.dtype)
     elif full and Sq in (1, L):
         # A decode step of one sequence (or of rows of one length), or whole prompts, causal:
         # nothing to mask, one call.
@@ -128,10 +129,17 @@ def sdpa(q, k, v, scale, **options):
     attention there is slower than its float32 one (measured where this was written: 2x for
     one query, 5x for a batch of 16, no faster for a whole prompt), and float32 is as exact."""
     dtype = q.dtype
-    if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        q, k, v = q.float(), k.float(), v.float()
+    q, k, v = upcast(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                                           **options).to(dtype)
+
+
+def upcast(*tensors):
+    """The tensors in the dtype `sdpa` computes in: float32 for bf16 and fp16 on a CPU, else as
+    they are. A batch attended row by row is converted once, whole, rather than row by row."""
+    if tensors[0].device.type == "cpu" and tensors[0].dtype in (torch.bfloat16, torch.float16):
+        return tuple(t.float() for t in tensors)
+    return tensors
 
 
 def masked_attention(q, k_ctx, v_ctx, seqlens_k, causal, scale):

@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from .kv_cache import attend_rows, attention_over_cache
+from .kv_cache import attend_rows, attention_over_cache, upcast
 
 try:  # optional: the CUDA kernel, `pip install flash-attn --no-build-isolation`
     import flash_attn
@@ -211,9 +211,10 @@ def _gather_rows_and_attend(q, k_cache, v_cache, table, lens, softmax_scale):
     starts = ((counts.cumsum(0) - counts) * block_size).tolist()            # each row's first slot
     rows = [slice(s, s + length) for s, length in zip(starts, lens)]
     scale = softmax_scale if softmax_scale is not None else D ** -0.5
-    y = attend_rows(q.transpose(1, 2), [k_all[r].transpose(0, 1) for r in rows],
+    q_, k_all, v_all = upcast(q, k_all, v_all)           # bf16 -> float32 once, not per row
+    y = attend_rows(q_.transpose(1, 2), [k_all[r].transpose(0, 1) for r in rows],
                     [v_all[r].transpose(0, 1) for r in rows], scale)        # (B, Hq, 1, D)
-    return y.transpose(1, 2)
+    return y.transpose(1, 2).to(q.dtype)
 
 
 register_backend("torch", _gather_and_attend)

@@ -16,31 +16,71 @@ from conftest import greedy_reference, tiny_model
 from minipaged import generate
 from minipaged.fast import FusedLlama, compile_decode
 from minipaged.fast import compiled as compiled_module
-from minipaged.fast.matvec import SPLIT_ROWS, MatVec
+from minipaged.fast import matvec
+from minipaged.fast.matvec import MatVec
 from minipaged.kv_cache import ContiguousCache
 from minipaged.paged_cache import generate_paged
 
 PROMPTS = [[5, 9, 2, 77, 31], [100, 3], list(range(40, 70))]
 
 
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}
+
+
+def assert_linear(mv, w, rows, dtype):
+    """mv(x) is F.linear(x, w) up to the order of the sums, for x of `rows` rows (in 2 batches)."""
+    x = torch.randn(2, rows, w.shape[1], dtype=dtype)
+    got, want = mv(x), F.linear(x, w.to(dtype))
+    assert got.shape == want.shape and got.dtype == dtype
+    assert (got.double() - want.double()).abs().max() <= TOLERANCE[dtype] * want.double().abs().max()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, SPLIT_ROWS, SPLIT_ROWS + 1, 70])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 70])
 def test_matvec_is_a_linear_layer(dtype, rows):
-    """Split into slabs or not, the product is F.linear's up to the order of the sums."""
+    """Split into slabs, packed by oneDNN or neither, the product is F.linear's up to the order
+    of the sums."""
     torch.manual_seed(rows)
-    w, x = torch.randn(96, 128, dtype=dtype), torch.randn(2, rows, 128, dtype=dtype)
+    w = torch.randn(96, 128, dtype=dtype)
     mv = MatVec(w)
     assert mv.splits == (4 if dtype == torch.float32 else 1)
-    tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}[dtype]
-    got, want = mv(x), F.linear(x, w)
-    assert got.shape == want.shape and got.dtype == dtype
-    assert (got.double() - want.double()).abs().max() <= tol * want.double().abs().max()
+    assert_linear(mv, w, rows, dtype)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch without oneDNN")
+def test_matvec_packs_its_weight_for_onednn_where_it_can():
+    """fp32 on a CPU always; bf16 where the CPU has bf16 instructions; fp64 never."""
+    assert MatVec(torch.randn(96, 128)).packed is not None
+    assert (MatVec(torch.randn(96, 128).bfloat16()).packed is not None) == \
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert MatVec(torch.randn(96, 128, dtype=torch.float64)).packed is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_matvec_without_onednn_is_still_a_linear_layer(monkeypatch, rows):
+    monkeypatch.setattr(matvec, "onednn_weight", lambda weight: None)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(96, 128, dtype=dtype)
+        mv = MatVec(w)
+        assert mv.packed is None
+        assert_linear(mv, w, rows, dtype)
+
+
+def test_matvec_moved_to_another_dtype_packs_the_new_weight():
+    """`.to(dtype)` converts the weight; oneDNN's copy follows it (or goes, for fp64)."""
+    w = torch.randn(96, 128)
+    for dtype in (torch.bfloat16, torch.float64):
+        mv = MatVec(w).to(dtype)
+        assert (mv.packed is None) == (matvec.onednn_weight(w.to(dtype)) is None)
+        for rows in (1, 3):
+            assert_linear(mv, w, rows, dtype)
 
 
 def test_matvec_keeps_a_weight_it_cannot_split():
     w = torch.randn(10, 7)                     # 7 input features: no 4 equal slabs
     mv = MatVec(w)
-    assert mv.splits == 1 and torch.equal(mv(torch.ones(1, 7)), F.linear(torch.ones(1, 7), w))
+    assert mv.splits == 1
+    assert_linear(mv, w, 1, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
