@@ -20,6 +20,7 @@ of each is logged.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Callable, NamedTuple
 
@@ -203,12 +204,13 @@ def _gather_rows_and_attend(q, k_cache, v_cache, table, lens, softmax_scale):
     row's after the other (in a batch of 16 chat requests with one long prompt, less than
     half the blocks a padded gather copies)."""
     block_size, D = k_cache.shape[1], k_cache.shape[3]
-    counts = torch.tensor([-(-n // block_size) for n in lens])                # blocks per row
-    n = int(counts.max())
-    owned = table[:, :n][torch.arange(n) < counts[:, None]]                  # row after row
+    # The same for every layer, and a handful of numbers: Python and numpy, not torch calls.
+    counts = [-(-n // block_size) for n in lens]                               # blocks per row
+    held = np.arange(max(counts)) < np.array(counts)[:, None]                  # (B, n)
+    owned = table[:, :held.shape[1]][torch.from_numpy(held).to(table.device)]  # row after row
     k_all = k_cache.index_select(0, owned).flatten(0, 1)   # (sum of counts * block_size, Hk, D)
     v_all = v_cache.index_select(0, owned).flatten(0, 1)
-    starts = ((counts.cumsum(0) - counts) * block_size).tolist()            # each row's first slot
+    starts = itertools.accumulate((c * block_size for c in counts), initial=0)  # first slots
     rows = [slice(s, s + length) for s, length in zip(starts, lens)]
     scale = softmax_scale if softmax_scale is not None else D ** -0.5
     q_, k_all, v_all = upcast(q, k_all, v_all)           # bf16 -> float32 once, not per row
