@@ -199,14 +199,33 @@ def test_a_failed_compile_warns_and_stays_eager(monkeypatch, caplog):
 
 def test_the_step_by_step_comparison_runs_both_caches_to_the_same_tokens(monkeypatch):
     """The SmolLM2 benchmark's paged-against-contiguous measure, on a tiny model: a positive
-    ratio when both caches decode alike, and a refusal when they do not."""
+    ratio and every part of both caches' steps timed when both caches decode alike (the
+    timers unwrapped afterwards), and a refusal when they do not."""
+    from minipaged import kv_cache
     from minipaged.benchmarks import smollm2
 
     model = tiny_model(dtype=torch.float32)
-    ratio = smollm2.paged_over_contiguous(model, PROMPTS[2], 20, rounds=1)
+    original = kv_cache.sdpa
+    ratio, parts = smollm2.paged_over_contiguous(model, PROMPTS[2], 20, rounds=1)
     assert math.isfinite(ratio) and ratio > 0
+    assert set(parts) == {"contiguous", "paged"}
+    for split in parts.values():      # a part a timer never reached would read 0
+        assert all(split[k] > 0 for k in ("prepare", "write+gather", "attention", "rest"))
+    assert kv_cache.sdpa is original
     broken = smollm2.PagedCache.attend
     monkeypatch.setattr(smollm2.PagedCache, "attend",
                         lambda self, layer, q, k, v: broken(self, layer, q, k, v) * 0)
     with pytest.raises(RuntimeError, match="differs from the contiguous cache"):
         smollm2.paged_over_contiguous(model, PROMPTS[2], 20, rounds=1)
+
+
+def test_the_gap_to_llama_cpp_is_split_by_cause():
+    from minipaged.benchmarks import smollm2
+
+    split = {"prepare": 300.0, "write+gather": 1500.0, "attention": 2500.0, "rest": 16000.0,
+             "total": 20300.0}                                                   # µs
+    assert smollm2.behind_llama_cpp(split, {"transformers generate": 40.0}) == []
+    [line] = smollm2.behind_llama_cpp(split, {"llama.cpp": 50.0})                # 20 ms a token
+    assert line == ("fast (paged) step 20.30 ms against llama.cpp's 20.00 ms a token: attention "
+                    "4.00 (write+gather 1.50, the math 2.50), bookkeeping 0.30, and the rest "
+                    "16.00, -4.00 ms from llama.cpp's whole token")

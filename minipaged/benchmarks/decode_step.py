@@ -13,9 +13,11 @@ the keys are, only on how many there are and where they live.
 Each step is split into
   prepare      the bookkeeping, `cache.prepare(seq_ids, 1)`: lengths, and for the paged cache
                growing and building every layer's block table;
-  write+gather what `cache.attend` does before the attention math: storing the new k/v and
-               copying each row's keys and values into one (B, L, Hk, D) tensor;
-  attention    `attention_over_cache`, the masked attention both caches share;
+  write+gather the rest of `cache.attend`: storing the new k/v, copying each row's keys and
+               values out of the cache, and arranging them for the math (transposes, masks,
+               bf16 converted to float32 for a batch attended row by row);
+  attention    the attention math itself: every call of `kv_cache.sdpa`, through which both
+               caches attend, whole batches or row by row;
   rest         everything else in the forward: the projections, the feed-forward, the logits.
 Steps alternate between the caches, so a busy moment on a shared machine hits both alike,
 and each column shows the best (smallest) time over the steps.
@@ -31,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.profiler import ProfilerActivity, profile
 
-from .. import cli, kv_cache, paged_attention
+from .. import cli, kv_cache
 from ..kv_cache import ContiguousCache
 from ..model import Llama, ModelArgs
 from ..paged_cache import PagedCache
@@ -63,17 +65,18 @@ class Timer:
         self.steps.append(self.now)
         self.now = self._fresh()
 
-    def parts(self):
-        """Best (smallest) µs per step of each part over the steps: other processes on a shared
-        machine only ever add time, so the minimum is the steadiest estimate of a part's cost.
-        write+gather = attend minus the attention math inside it."""
-        def best(values):
-            return min(values) * 1e6
-        return {"prepare": best([s["prepare"] for s in self.steps]),
-                "write+gather": best([s["attend"] - s["attention"] for s in self.steps]),
-                "attention": best([s["attention"] for s in self.steps]),
-                "rest": best([s["step"] - s["prepare"] - s["attend"] for s in self.steps]),
-                "total": best([s["step"] for s in self.steps])}
+    def parts(self, summary=min):
+        """µs per step of each part, `summary` over the steps: by default the best (smallest),
+        since other processes on a shared machine only ever add time, so the minimum is the
+        steadiest estimate of a part's cost. write+gather = attend minus the attention math
+        inside it."""
+        def over_steps(values):
+            return summary(values) * 1e6
+        return {"prepare": over_steps([s["prepare"] for s in self.steps]),
+                "write+gather": over_steps([s["attend"] - s["attention"] for s in self.steps]),
+                "attention": over_steps([s["attention"] for s in self.steps]),
+                "rest": over_steps([s["step"] - s["prepare"] - s["attend"] for s in self.steps]),
+                "total": over_steps([s["step"] for s in self.steps])}
 
 
 def build(args):
@@ -103,11 +106,24 @@ def build(args):
 
 
 def step(model, cache, seq_ids, tokens, timer):
-    t0 = time.perf_counter()
-    timer.wrap("prepare", cache.prepare)(seq_ids, 1)
-    model(tokens, cache=cache)
-    timer.now["step"] += time.perf_counter() - t0
+    """One decode step of `model` on `cache`, its parts timed into `timer`; returns the logits.
+
+    The attention math inside each cache's `attend` is timed by wrapping the one function
+    both call for it, `kv_cache.sdpa`, for the length of the step (and `attend` itself, on
+    this cache only), so each timer sees only its own calls."""
+    original = kv_cache.sdpa
+    cache.attend = timer.wrap("attend", type(cache).attend.__get__(cache))
+    kv_cache.sdpa = timer.wrap("attention", original)
+    try:
+        t0 = time.perf_counter()
+        timer.wrap("prepare", cache.prepare)(seq_ids, 1)
+        logits = model(tokens, cache=cache)
+        timer.now["step"] += time.perf_counter() - t0
+    finally:
+        kv_cache.sdpa = original
+        del cache.attend
     timer.end_step()
+    return logits
 
 
 @cli.program
@@ -151,22 +167,11 @@ def main(argv=None):
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
         return
 
-    # Time the attention math inside each cache's `attend` by wrapping the one function both
-    # call; the wrapper is swapped per cache so each timer sees only its own calls.
-    original = kv_cache.attention_over_cache
     with torch.inference_mode():
         for i in range(args.warmup + args.steps):
             order = list(caches.items())[::1 if i % 2 else -1]   # interleaved, each first in turn
             for name, cache in order:
-                timer = timers[name] if i >= args.warmup else Timer()
-                cache.attend = timer.wrap("attend", type(cache).attend.__get__(cache))
-                kv_cache.attention_over_cache = paged_attention.attention_over_cache = \
-                    timer.wrap("attention", original)
-                try:
-                    step(model, cache, seq_ids, tokens, timer)
-                finally:
-                    kv_cache.attention_over_cache = paged_attention.attention_over_cache = original
-                    del cache.attend
+                step(model, cache, seq_ids, tokens, timers[name] if i >= args.warmup else Timer())
 
     parts = {name: t.parts() for name, t in timers.items()}
     ratio = parts["paged"]["total"] / parts["contiguous"]["total"]

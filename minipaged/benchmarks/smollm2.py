@@ -24,7 +24,10 @@ Measured:
   * batch-1 decode: greedy tokens per second after the first, one chat prompt, --new-tokens;
   * paged against contiguous, step by step: both caches decode that prompt side by side, their
     steps alternating, and the median of the per-step ratios is printed (a finer measure of what
-    paging costs at batch 1 than two runs' rates, which move by several percent between runs);
+    paging costs at batch 1 than two runs' rates, which move by several percent between runs),
+    and where those steps' time goes (`decode_step`'s timers): the bookkeeping, the layers'
+    writes and gathers, the attention math, the rest of the forward; the median of each, with
+    llama.cpp's whole token beside them, so the gap to it reads in milliseconds by cause;
   * 16 requests (chat prompts of 30 to 250 tokens, --new-tokens each, no early stop): every
     token over the wall time, prefill included. minipaged's engine and `generate_batch` run
     at most 512 tokens a step (stage 5b's max_num_batched_tokens, transformers'
@@ -55,6 +58,7 @@ from ..formats import chat_format, load_model, load_tokenizer, packaged_model_pa
 from ..formats.atomic import write_file
 from ..kv_cache import ContiguousCache
 from ..paged_cache import PagedCache, generate_paged
+from . import decode_step
 
 try:
     import llama_cpp
@@ -118,36 +122,40 @@ def ours_serve(model, prompts, n, budget):
 
 
 @torch.inference_mode()
-def paged_over_contiguous(model, prompt, n, rounds: int = STEP_ROUNDS) -> float:
+def paged_over_contiguous(model, prompt, n, rounds: int = STEP_ROUNDS):
     """The paged cache's speed over the contiguous one's at batch 1, step by step: both decode
     the same prompt side by side, their steps alternating (and which goes first too), so a
-    machine that slows down or speeds up touches both alike. The median, over every step of
-    `rounds` rounds, of contiguous seconds / paged seconds (above 1: the paged cache is faster)."""
+    machine that slows down or speeds up touches both alike. Returns the median, over every
+    step of `rounds` rounds, of contiguous seconds / paged seconds (above 1: the paged cache is
+    faster), and each cache's steps split into their parts, the median µs of each
+    (`decode_step.Timer.parts`): the bookkeeping (`prepare`), the layers' writes and gathers,
+    the attention math, and the rest of the forward. The timers add the same few µs a layer to
+    both caches."""
     p = next(model.parameters())
     total = len(prompt) + n
-    ratios = []
+    timers = {"contiguous": decode_step.Timer(), "paged": decode_step.Timer()}
     for _ in range(rounds):
-        caches = [ContiguousCache(model.args, 1, total, device=p.device, dtype=p.dtype),
-                  PagedCache(model.args, -(-total // 16), 16, 1, total, device=p.device,
-                             dtype=p.dtype)]
-        tokens = []
-        for cache in caches:
+        caches = {"contiguous": ContiguousCache(model.args, 1, total, device=p.device,
+                                                dtype=p.dtype),
+                  "paged": PagedCache(model.args, -(-total // 16), 16, 1, total,
+                                      device=p.device, dtype=p.dtype)}
+        tokens = {}
+        for name, cache in caches.items():
             cache.prepare([0], len(prompt))
             logits = model(torch.tensor([prompt], device=p.device), cache=cache, last_only=True)
-            tokens.append(int(logits[0, -1].argmax()))
+            tokens[name] = int(logits[0, -1].argmax())
         for step in range(n - 1):
-            seconds = [0.0, 0.0]
-            for j in (0, 1) if step % 2 else (1, 0):
-                start = time.perf_counter()
-                caches[j].prepare([0], 1)
-                logits = model(torch.tensor([[tokens[j]]], device=p.device), cache=caches[j])
-                tokens[j] = int(logits[0, -1].argmax())
-                seconds[j] = time.perf_counter() - start
-            ratios.append(seconds[0] / seconds[1])
-            if tokens[0] != tokens[1]:
-                raise RuntimeError(f"the paged cache's greedy token {tokens[1]} differs from the "
-                                   f"contiguous cache's {tokens[0]}: the timings compare nothing")
-    return statistics.median(ratios)
+            for name in caches if step % 2 else reversed(caches):
+                logits = decode_step.step(model, caches[name], [0], torch.tensor(
+                    [[tokens[name]]], device=p.device), timers[name])
+                tokens[name] = int(logits[0, -1].argmax())
+            if tokens["contiguous"] != tokens["paged"]:
+                raise RuntimeError(f"the paged cache's greedy token {tokens['paged']} differs "
+                                   f"from the contiguous cache's {tokens['contiguous']}: the "
+                                   f"timings compare nothing")
+    ratio = statistics.median(c["step"] / q["step"] for c, q in
+                              zip(timers["contiguous"].steps, timers["paged"].steps))
+    return ratio, {name: t.parts(statistics.median) for name, t in timers.items()}
 
 
 # -- transformers ---------------------------------------------------------------------------------
@@ -349,15 +357,19 @@ def main(argv=None):
         if peer:
             runs["llama.cpp, one after another"] = lambda: peer.serve_one_by_one(prompts, n)
         console.print(f"paged against contiguous, step by step, {dtype_name} ...")
-        stepwise[dtype_name] = {"Llama": paged_over_contiguous(model, one, n),
-                                "fast": paged_over_contiguous(fast, one, n)}
+        steps = {"minipaged Llama": paged_over_contiguous(model, one, n),
+                 "minipaged.fast": paged_over_contiguous(fast, one, n)}
+        stepwise[dtype_name] = {name: ratio for name, (ratio, _) in steps.items()}
+        parts = {name: split for name, (_, split) in steps.items()}
         console.print(f"{len(prompts)} requests, {dtype_name} ...")
         serve[dtype_name] = best_in_turns(runs, args.repeats)
         weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
         console.print(decode_table(decode[dtype_name], dtype_name, n, weight_bytes, bandwidth,
                                    args.repeats))
+        console.print(parts_table(parts, decode[dtype_name], dtype_name, n))
         console.print(serve_table(serve[dtype_name], dtype_name, len(prompts), n, args.repeats))
-        for line in ratios(decode[dtype_name], serve[dtype_name], stepwise[dtype_name], n):
+        for line in ratios(decode[dtype_name], serve[dtype_name], stepwise[dtype_name], n) + \
+                behind_llama_cpp(parts["minipaged.fast"]["paged"], decode[dtype_name]):
             console.print(f"  {dtype_name}: {line}")
         model = fast = hf = peer = None          # free this dtype's copies before the next
     for line in notes:
@@ -380,6 +392,42 @@ def decode_table(rates, dtype_name, n, weight_bytes, bandwidth, repeats):
     return table
 
 
+PARTS = {"prepare": "bookkeeping", "write+gather": "write+gather", "attention": "attention",
+         "rest": "the rest", "total": "step"}       # decode_step's parts, as the table names them
+
+
+def parts_table(parts, rates, dtype_name, n):
+    """Where a batch-1 decode step goes, per model and cache, in ms; llama.cpp's whole token
+    (from its decode rate) beside them."""
+    table = Table(title=f"a batch-1 decode step, {dtype_name}: ms, the median of each part over "
+                        f"{STEP_ROUNDS * (n - 1)} steps (the rest: products, norms, rotary, "
+                        f"logits)")
+    table.add_column("engine")
+    for heading in PARTS.values():
+        table.add_column(heading, justify="right")
+    for model_name, caches in parts.items():
+        for cache, split in caches.items():
+            table.add_row(f"{model_name}, {cache}", *(f"{split[k] / 1e3:.2f}" for k in PARTS))
+    if "llama.cpp" in rates:
+        table.add_row("llama.cpp, the whole token", *[""] * (len(PARTS) - 1),
+                      f"{1e3 / rates['llama.cpp']:.2f}")
+    return table
+
+
+def behind_llama_cpp(split, rates) -> list[str]:
+    """What minipaged.fast's paged step spends over llama.cpp's whole token, by cause."""
+    if "llama.cpp" not in rates:
+        return []
+    ms = {k: v / 1e3 for k, v in split.items()}
+    peer = 1e3 / rates["llama.cpp"]
+    line = (f"fast (paged) step {ms['total']:.2f} ms against llama.cpp's {peer:.2f} ms a token: "
+            f"attention {ms['write+gather'] + ms['attention']:.2f} (write+gather "
+            f"{ms['write+gather']:.2f}, the math {ms['attention']:.2f}), bookkeeping "
+            f"{ms['prepare']:.2f}, and the rest {ms['rest']:.2f}, "
+            f"{ms['rest'] - peer:+.2f} ms from llama.cpp's whole token")
+    return [line]
+
+
 def serve_table(rates, dtype_name, k, n, repeats):
     table = Table(title=f"{k} requests x {n} tokens, {dtype_name}: tokens/s, prefill included "
                         f"(best of {repeats})")
@@ -396,7 +444,7 @@ def ratios(decode, serve, stepwise, n) -> list[str]:
     lines = [
         f"paged / contiguous, step by step (median of {STEP_ROUNDS * (n - 1)} interleaved "
         f"steps): "
-        f"Llama {stepwise['Llama']:.3f}x, fast {stepwise['fast']:.3f}x",
+        f"Llama {stepwise['minipaged Llama']:.3f}x, fast {stepwise['minipaged.fast']:.3f}x",
         f"paged / contiguous, Llama: {d['minipaged Llama, paged cache'] / d['minipaged Llama, contiguous cache']:.2f}x, "
         f"fast: {d['minipaged.fast, paged cache'] / d['minipaged.fast, contiguous cache']:.2f}x; "
         f"engine / contiguous, fast: {d['minipaged.fast, engine'] / d['minipaged.fast, contiguous cache']:.2f}x",
