@@ -207,6 +207,7 @@ class ContiguousCache:
             num_new_tokens, device=device)                                    # (B, T)
         self._seqlens_k = self._seqlens_dev + num_new_tokens                   # (B,)
         self._max_len = int(after.max())
+        self._row_lens = list(zip(rows.tolist(), after.tolist()))   # (row, keys it holds)
 
     def free(self, seq_id: int) -> None:
         """Forget a finished sequence. Its row stays reserved: that is this cache's flaw."""
@@ -216,12 +217,21 @@ class ContiguousCache:
     def attend(self, layer: int, q, k, v):
         """Write the step's k/v (B, T, Hk, D) at each row's next positions, then attend."""
         rows, positions, L = self._rows_dev, self.positions, self._max_len
-        self.k_cache[layer][rows[:, None], positions] = k
-        self.v_cache[layer][rows[:, None], positions] = v
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        k_cache[rows[:, None], positions] = k
+        v_cache[rows[:, None], positions] = v
+        if q.shape[1] == 1:
+            # Decode: row r's keys are its first n slots, already one piece of memory, so its
+            # one query attends over views of them, row by row: nothing is copied.
+            keys = [k_cache[r, :n].transpose(0, 1) for r, n in self._row_lens]    # (Hk, n, D)
+            values = [v_cache[r, :n].transpose(0, 1) for r, n in self._row_lens]
+            return attend_rows(q.transpose(1, 2), keys, values,
+                               q.shape[-1] ** -0.5).transpose(1, 2)             # (B, 1, Hq, D)
+        # Prompts: one call over the rows side by side, which needs them copied out together.
         # index_select copies each row's first L slots as one piece; `k_cache[rows, :L]`
         # indexes element by element and takes about three times as long on a CPU.
-        k_ctx = self.k_cache[layer][:, :L].index_select(0, rows)              # (B, L, Hk, D)
-        v_ctx = self.v_cache[layer][:, :L].index_select(0, rows)
+        k_ctx = k_cache[:, :L].index_select(0, rows)                          # (B, L, Hk, D)
+        v_ctx = v_cache[:, :L].index_select(0, rows)
         return attention_over_cache(q, k_ctx, v_ctx, self._seqlens_k, causal=True)
 
     # -- what the lesson draws ------------------------------------------------------------------

@@ -229,3 +229,32 @@ def test_the_gap_to_llama_cpp_is_split_by_cause():
     assert line == ("fast (paged) step 20.30 ms against llama.cpp's 20.00 ms a token: attention "
                     "4.00 (write+gather 1.50, the math 2.50), bookkeeping 0.30, and the rest "
                     "16.00, -4.00 ms from llama.cpp's whole token")
+
+
+def test_the_plot_draws_each_part_of_a_step_at_its_length(tmp_path):
+    """The benchmark's third panel: one stacked bar per cache and dtype, each segment as long
+    as that part's median ms, and llama.cpp's whole token beside them."""
+    import matplotlib.pyplot as plt
+
+    from minipaged.benchmarks import smollm2
+
+    split = {"prepare": 300.0, "write+gather": 1500.0, "attention": 2500.0, "rest": 16000.0,
+             "total": 20300.0}                                                   # µs
+    step_parts = {"float32": {"minipaged Llama": {"contiguous": split, "paged": split},
+                              "minipaged.fast": {"contiguous": split, "paged": split}}}
+    decode = {"float32": {"minipaged.fast, paged cache": 45.0, "llama.cpp": 50.0}}
+    fig, ax = plt.subplots()
+    smollm2.draw_step_parts(ax, step_parts, decode)
+    bars = [(round(p.get_y() + p.get_height() / 2), p.get_x(), p.get_width()) for p in ax.patches]
+    assert [label.get_text() for label in ax.get_yticklabels()] == [
+        "minipaged.fast, contiguous, float32", "minipaged.fast, paged, float32", "llama.cpp, F32"]
+    for row in (0, 1):
+        segments = sorted((x, w) for y, x, w in bars if y == row)
+        assert [w for _, w in segments] == pytest.approx([0.3, 1.5, 2.5, 16.0])
+        assert [x for x, _ in segments] == pytest.approx([0.0, 0.3, 1.8, 4.3])
+    assert [(x, w) for y, x, w in bars if y == 2] == [(0.0, pytest.approx(20.0))]
+    plt.close(fig)
+    path = tmp_path / "engines.png"
+    smollm2.draw({"float32": decode["float32"]}, {"float32": {"minipaged.fast, engine": 180.0}},
+                 step_parts, 2, 64, path)
+    assert path.stat().st_size > 10_000

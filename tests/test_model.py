@@ -115,3 +115,42 @@ def test_dtype_and_stop_tokens_come_from_the_checkpoint(tmp_path):
     assert load_model(tmp_path, dtype=torch.float32).tok_embeddings.weight.dtype == torch.float32
     # 512 = 256 ranks + 256 specials: end_of_text, eom_id, eot_id sit at 257, 264, 265.
     assert m.args.stop_tokens == [257, 264, 265]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_attends_each_row_over_its_own_slots_only(dtype):
+    """The contiguous cache's decode reads each row's first n slots in place: it equals
+    attention written out by hand in float64, with NaN in every slot past a row's length and
+    in the rows the step leaves out."""
+    args = tiny_model().args
+    Hq, Hk, D = args.n_heads, args.n_kv_heads, args.head_dim
+    cache = ContiguousCache(args, max_batch=5, max_seq_len=40, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    lengths = {3: 17, 0: 5, 4: 30, 1: 1}                       # row: tokens stored before
+    for layer in range(args.n_layers):
+        cache.k_cache[layer].fill_(float("nan"))
+        cache.v_cache[layer].fill_(float("nan"))
+    for row, n in lengths.items():
+        cache.prepare([row], n)
+        for layer in range(args.n_layers):
+            shape = (1, n, Hk, D)
+            cache.attend(layer, torch.randn(1, n, Hq, D, generator=gen).to(dtype),
+                         torch.randn(shape, generator=gen).to(dtype),
+                         torch.randn(shape, generator=gen).to(dtype))
+    rows = list(lengths)
+    cache.prepare(rows, 1)
+    q = torch.randn(len(rows), 1, Hq, D, generator=gen).to(dtype)
+    k = torch.randn(len(rows), 1, Hk, D, generator=gen).to(dtype)
+    v = torch.randn(len(rows), 1, Hk, D, generator=gen).to(dtype)
+    out = cache.attend(1, q, k, v)
+    assert out.shape == q.shape and out.dtype == dtype
+    for b, (row, n) in enumerate(lengths.items()):
+        keys = cache.k_cache[1][row, :n + 1].double()           # (n + 1, Hk, D), the new one last
+        values = cache.v_cache[1][row, :n + 1].double()
+        assert torch.equal(keys[-1], k[b, 0].double()) and torch.equal(values[-1], v[b, 0].double())
+        for h in range(Hq):
+            g = h // (Hq // Hk)                                 # the kv head this head reads
+            weights = torch.softmax(keys[:, g] @ q[b, 0, h].double() / math.sqrt(D), dim=0)
+            expected = weights @ values[:, g]
+            tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(out[b, 0, h].double(), expected, atol=tolerance, rtol=0)

@@ -322,7 +322,7 @@ def main(argv=None):
         console.print("llama_cpp is not installed: llama.cpp is left out "
                       "(pip install llama-cpp-python)")
 
-    decode, serve, stepwise, notes = {}, {}, {}, []
+    decode, serve, stepwise, step_parts, notes = {}, {}, {}, {}, []
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         model = load_model(path, dtype=dtype)
@@ -360,7 +360,7 @@ def main(argv=None):
         steps = {"minipaged Llama": paged_over_contiguous(model, one, n),
                  "minipaged.fast": paged_over_contiguous(fast, one, n)}
         stepwise[dtype_name] = {name: ratio for name, (ratio, _) in steps.items()}
-        parts = {name: split for name, (_, split) in steps.items()}
+        parts = step_parts[dtype_name] = {name: split for name, (_, split) in steps.items()}
         console.print(f"{len(prompts)} requests, {dtype_name} ...")
         serve[dtype_name] = best_in_turns(runs, args.repeats)
         weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
@@ -374,7 +374,7 @@ def main(argv=None):
         model = fast = hf = peer = None          # free this dtype's copies before the next
     for line in notes:
         console.print(line)
-    draw(decode, serve, threads, n, args.plot)
+    draw(decode, serve, step_parts, threads, n, args.plot)
     console.print(f"plot: {args.plot}")
 
 
@@ -461,10 +461,14 @@ def ratios(decode, serve, stepwise, n) -> list[str]:
     return lines
 
 
-def draw(decode, serve, threads, n, path):
-    """Two panels: batch-1 decode and 16 requests, one bar per engine, a group per dtype."""
+def draw(decode, serve, step_parts, threads, n, path):
+    """Three panels: batch-1 decode and 16 requests, one bar per engine, a group per dtype; and
+    under them where a batch-1 step of minipaged.fast goes, part by part, beside llama.cpp's
+    whole token."""
     matplotlib.use("Agg")
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig = plt.figure(figsize=(12, 8.4))
+    grid = fig.add_gridspec(2, 2, height_ratios=(1.6, 1))
+    axes = [fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])]
     for ax, results, title in ((axes[0], decode, f"batch-1 decode ({n} tokens)"),
                                (axes[1], serve, f"16 requests x {n} tokens")):
         names = list(next(iter(results.values())))
@@ -478,11 +482,49 @@ def draw(decode, serve, threads, n, path):
         ax.set_xlabel("tokens / s")
         ax.set_title(title)
         ax.grid(axis="x", alpha=0.3)
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncols=len(decode))
+    axes[1].legend(loc="lower right")
+    draw_step_parts(fig.add_subplot(grid[1, :]), step_parts, decode)
     fig.suptitle(f"SmolLM2-135M-Instruct on {threads} CPU threads\n"
                  f"(llama.cpp: the F32 file against float32, the F16 file against bfloat16)")
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def draw_step_parts(ax, step_parts, decode):
+    """One stacked bar per cache and dtype: the median ms of each part of minipaged.fast's
+    batch-1 steps; llama.cpp's whole token (from its decode rate) as one bar beside them."""
+    rows = []
+    for dtype_name, models in step_parts.items():
+        for cache, split in models["minipaged.fast"].items():
+            rows.append((f"minipaged.fast, {cache}, {dtype_name}", split))
+        if "llama.cpp" in decode[dtype_name]:
+            rows.append((f"llama.cpp, {LLAMA_CPP_TYPES[getattr(torch, dtype_name)]}",
+                         {"total": 1e6 / decode[dtype_name]["llama.cpp"]}))
+    colors = dict(zip(list(PARTS)[:-1], ("tab:purple", "tab:red", "tab:orange", "tab:blue")))
+    named = set()                                 # each legend entry once
+
+    def legend_entry(name):
+        if name in named:
+            return None
+        named.add(name)
+        return name
+
+    for i, (_, split) in enumerate(rows):
+        if "rest" not in split:                                  # llama.cpp: the whole token
+            ax.barh(i, split["total"] / 1e3, color="0.6",
+                    label=legend_entry("llama.cpp, the whole token"))
+            continue
+        left = 0.0
+        for part, color in colors.items():
+            ax.barh(i, split[part] / 1e3, left=left, color=color,
+                    label=legend_entry(PARTS[part]))
+            left += split[part] / 1e3
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (the median of each part over the steps)")
+    ax.set_title("where a batch-1 decode step of minipaged.fast goes")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(loc="lower right", fontsize="small")
 
 
 if __name__ == "__main__":
