@@ -99,15 +99,7 @@ def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=
     lens = seqlens_k.tolist()
     q, k_ctx, v_ctx = q.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2)  # (B, H, ., D)
     full = L > 0 and all(n == L for n in lens)             # every row attends to all L keys
-    if Sq == 1 and not full:
-        # Decode, rows of different lengths: row b's one query sees exactly its first
-        # seqlens_k[b] keys. Attending row by row over them needs no mask and never touches
-        # stale slots or the padding up to the longest row; on a CPU that loop beats one
-        # masked call over the padded batch (flash-attn's kernel does the same per row).
-        q_, k_ctx, v_ctx = upcast(q, k_ctx, v_ctx)        # bf16 -> float32 once, not per row
-        y = attend_rows(q_, [k_ctx[b, :, :n] for b, n in enumerate(lens)],   # row by row
-                        [v_ctx[b, :, :n] for b, n in enumerate(lens)], scale).to(q.dtype)
-    elif full and Sq in (1, L):
+    if full and Sq in (1, L):
         # A decode step of one sequence (or of rows of one length), or whole prompts, causal:
         # nothing to mask, one call.
         y = sdpa(q, k_ctx, v_ctx, scale, is_causal=causal and Sq > 1)
@@ -118,7 +110,10 @@ def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=
 
 def attend_rows(q, keys, values, scale):
     """Row b's one query, q[b] (Hq, 1, D), over its own keys[b] and values[b] (Hk, n_b, D):
-    the decode of rows of different lengths, (B, Hq, 1, D) out. A row with no key gets zeros."""
+    a decode step whose rows differ in length, (B, Hq, 1, D) out. Each row sees exactly its
+    keys, so nothing is masked and nothing past a row is read; on a CPU this loop beats one
+    masked call over the rows padded to the longest (flash-attn's kernel also works row by
+    row). A row with no key gets zeros."""
     return torch.cat([sdpa(q[b:b + 1], k[None], v[None], scale) if k.shape[1] else
                       torch.zeros_like(q[b:b + 1]) for b, (k, v) in enumerate(zip(keys, values))])
 

@@ -219,13 +219,16 @@ def test_the_step_by_step_comparison_runs_both_caches_to_the_same_tokens(monkeyp
         smollm2.paged_over_contiguous(model, PROMPTS[2], 20, rounds=1)
 
 
+# A step's parts in µs, as paged_over_contiguous gives them.
+A_STEP = {"prepare": 300.0, "write+gather": 1500.0, "attention": 2500.0, "rest": 16000.0,
+          "total": 20300.0}
+
+
 def test_the_gap_to_llama_cpp_is_split_by_cause():
     from minipaged.benchmarks import smollm2
 
-    split = {"prepare": 300.0, "write+gather": 1500.0, "attention": 2500.0, "rest": 16000.0,
-             "total": 20300.0}                                                   # µs
-    assert smollm2.behind_llama_cpp(split, {"transformers generate": 40.0}) == []
-    [line] = smollm2.behind_llama_cpp(split, {"llama.cpp": 50.0})                # 20 ms a token
+    assert smollm2.behind_llama_cpp(A_STEP, {"transformers generate": 40.0}) == []
+    [line] = smollm2.behind_llama_cpp(A_STEP, {"llama.cpp": 50.0})                # 20 ms a token
     assert line == ("fast (paged) step 20.30 ms against llama.cpp's 20.00 ms a token: attention "
                     "4.00 (write+gather 1.50, the math 2.50), bookkeeping 0.30, and the rest "
                     "16.00, -4.00 ms from llama.cpp's whole token")
@@ -238,10 +241,8 @@ def test_the_plot_draws_each_part_of_a_step_at_its_length(tmp_path):
 
     from minipaged.benchmarks import smollm2
 
-    split = {"prepare": 300.0, "write+gather": 1500.0, "attention": 2500.0, "rest": 16000.0,
-             "total": 20300.0}                                                   # µs
-    step_parts = {"float32": {"minipaged Llama": {"contiguous": split, "paged": split},
-                              "minipaged.fast": {"contiguous": split, "paged": split}}}
+    step_parts = {"float32": {"minipaged Llama": {"contiguous": A_STEP, "paged": A_STEP},
+                              "minipaged.fast": {"contiguous": A_STEP, "paged": A_STEP}}}
     decode = {"float32": {"minipaged.fast, paged cache": 45.0, "llama.cpp": 50.0}}
     fig, ax = plt.subplots()
     smollm2.draw_step_parts(ax, step_parts, decode)
