@@ -15,8 +15,7 @@ flash-attn's CUDA kernel where it can, and a readable PyTorch version everywhere
 `backend=` picks the implementation: "flash_attn", "torch", any a later stage adds with
 `register_backend` (stage 3b adds "triton" and "cpu"), or "auto" (flash-attn's kernel where it
 can serve the call, else a registered kernel that offers itself to "auto" and can serve it, else
-PyTorch). `last_backend` says which one served the last call; the first use
-of each is logged.
+PyTorch). `last_backend` says which one served the last call; the first use of each is logged.
 """
 
 from __future__ import annotations
