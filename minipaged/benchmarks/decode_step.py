@@ -14,9 +14,11 @@ the keys are, only on how many there are and where they live.
 Each step is split into
   prepare      the bookkeeping, `cache.prepare(seq_ids, 1)`: lengths, and for the paged cache
                growing and building every layer's block table;
-  write+gather the rest of `cache.attend`: storing the new k/v, copying each row's keys and
-               values out of the cache, and arranging them for the math (transposes, masks,
-               bf16 converted to float32 for a batch attended row by row);
+  write+gather the rest of `cache.attend`: storing the new k/v and, on the PyTorch paths,
+               copying each row's keys and values out of the cache and arranging them for
+               the math (transposes, masks, bf16 converted to float32 for a batch attended
+               row by row); on the C kernel, only the call's own preparation, since the
+               kernel reads the blocks where they lie and its reading counts as attention;
   attention    the attention math itself: every call of `kv_cache.sdpa`, through which both
                caches' PyTorch paths attend, whole batches or row by row, and of stage 3b's C
                kernel (`cpu_attention.decode_attention`), which reads the blocks as it goes;
