@@ -68,9 +68,9 @@ def build(dtype: torch.dtype, head_dim: int, group: int):
                 for step in steps:
                     subprocess.run(step, check=True, capture_output=True, text=True, timeout=120)
                 kernel = ctypes.CDLL(str(lib)).paged_attention_decode   # loaded: tmp may go
-            except (OSError, subprocess.SubprocessError) as e:
-                error = (getattr(e, "stderr", None) or str(e)).strip().splitlines()
-                error = error[0] if error else type(e).__name__
+            except (OSError, subprocess.SubprocessError) as e:   # the next line of FLAGS
+                lines = (getattr(e, "stderr", None) or str(e)).strip().splitlines()
+                error = lines[0] if lines else type(e).__name__
                 continue
             P, I = ctypes.c_void_p, ctypes.c_int
             kernel.argtypes = [P, P, P, P, ctypes.c_int64, P, I, I, I, ctypes.c_float, P, I]
@@ -104,9 +104,11 @@ def cpu_paged_attention(q, k_cache, v_cache, block_table, seqlens_k, causal=True
 
 def decode_attention(q, k_cache, v_cache, block_table, seqlens_k, scale):
     """The kernel's call: q (B, 1, Hq, D), row b over its seqlens_k[b] keys in the blocks of
-    block_table[b]; (B, 1, Hq, D) out, in q's dtype."""
+    block_table[b] of a float32 or bfloat16 pool; (B, 1, Hq, D) out, in q's dtype."""
     B, _, Hq, D = q.shape
     block_size, Hk = k_cache.shape[1:3]
+    if reason := why_not_cpu(q, k_cache):
+        raise RuntimeError(f"the C kernel cannot run this call: {reason}")
     kernel = build(k_cache.dtype, D, Hq // Hk)
     q32 = q.reshape(B, Hq, D).float().contiguous()
     table = block_table.to(torch.int64).contiguous()                   # (B, width)

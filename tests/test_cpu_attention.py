@@ -11,13 +11,10 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import check_paged_generation
 from test_paged_attention import attend, dense_reference, paged_locate
 
-from minipaged import cpu_attention, generate
-from minipaged.generation import generate_static
-from minipaged.kv_cache import ContiguousCache
-from minipaged.paged_cache import generate_paged
+from minipaged import cpu_attention
 
 
 def decode_case(seed, lengths, block_size, Hq, Hk, D, dtype, stale=float("nan")):
@@ -100,14 +97,19 @@ def test_building_leaves_tiny_floats_alone():
 
 
 def test_a_compiler_that_fails_is_a_sentence(monkeypatch, tmp_path):
-    """A compiler that exits with an error: its first line, in why_not's sentence."""
+    """A compiler that exits with an error: its first line, in why_not's sentence, and in the
+    error of a direct call of the kernel."""
     fake = tmp_path / "cc"
     fake.write_text("#!/bin/sh\necho 'fatal error: the test made me fail' >&2\nexit 1\n")
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
     cpu_attention.build.cache_clear()
+    q, pool = torch.zeros(1, 1, 4, 16), torch.zeros(2, 4, 2, 16)
     try:
-        reason = cpu_attention.why_not_cpu(torch.zeros(1, 1, 4, 16), torch.zeros(2, 4, 2, 16))
+        reason = cpu_attention.why_not_cpu(q, pool)
+        with pytest.raises(RuntimeError, match="cannot run this call: cc could not build"):
+            cpu_attention.decode_attention(q, pool, pool, torch.zeros(1, 1, dtype=torch.long),
+                                           torch.tensor([3]), 0.25)
     finally:
         cpu_attention.build.cache_clear()
     assert reason == "cc could not build cpu_attention.c: fatal error: the test made me fail"
@@ -115,16 +117,7 @@ def test_a_compiler_that_fails_is_a_sentence(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_generation_on_the_kernel_gives_the_contiguous_caches_tokens(dtype):
-    model = tiny_model(dtype=dtype)
-    gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (3, 14, 17)]
-    n = 6                                       # the prompt of 14 crosses into a second block
-    cache = ContiguousCache(model.args, len(prompts), 64, dtype=dtype)
-    expected = generate_static(model, prompts, n, cache=cache, stop_tokens=[])
-    assert generate_paged(model, prompts, n, block_size=16, backend="cpu",
-                          stop_tokens=[]) == expected                       # stage 3's batch
-    assert generate(model, prompts, n, cache="paged", block_size=4, backend="cpu",
-                    stop_tokens=[]) == expected                             # the Engine
+    check_paged_generation("cpu", 6, dtype)
 
 
 @pytest.mark.parametrize("line", range(len(cpu_attention.FLAGS)))
