@@ -6,7 +6,8 @@ Read the stages in order, each module beside its lesson (`lessons/`) and noteboo
     1   model.py, kv_cache.py, generation.py      a naive Llama 3, a contiguous cache reserved up front
     2   cache_manager.py, kv_budget.py             blocks, a random free set, a block table per layer
     3   paged_attention.py, paged_cache.py         flash_attn_with_kvcache over scattered blocks
-    3b  online_softmax.py, triton_attention.py     inside the kernel: the block walk, in PyTorch and Triton
+    3b  online_softmax.py, triton_attention.py,    inside the kernel: the block walk, in PyTorch,
+        cpu_attention.py (+ .c)                    in Triton, and in C for CPUs
     4   fragmentation.py, workloads.py, simulator.py   where the KV memory goes, measured
     5   scheduler.py, swap.py, engine.py           continuous batching, preemption by recompute or swap
     5b  chunked_prefill.py, chunked_engine.py      a token budget per step, prompts in chunks
@@ -17,7 +18,7 @@ Around them: `formats/` (checkpoints and tokenizers), `embedded/` (the shipped m
 trainer), `chat/` (`python -m minipaged.chat`), `viz/` (the drawings), `benchmarks/`.
 """
 
-from . import triton_attention  # registers backend="triton" with flash_attn_with_kvcache
+from . import cpu_attention, triton_attention  # register backend="cpu" and "triton"
 from .api import Engine, beam_search, generate
 from .errors import (CheckpointError, MiniPagedError, NotEnoughMemoryError, OutOfBlocksError,
                      RequestError, TokenizerError, TraceError, UsageError)

@@ -13,9 +13,9 @@ flash-attn's CUDA kernel where it can, and a readable PyTorch version everywhere
   3. attend with the masked attention the contiguous cache uses (`attention_over_cache`).
 
 `backend=` picks the implementation: "flash_attn", "torch", any a later stage adds with
-`register_backend` (stage 3b adds "triton"), or "auto" (flash-attn's kernel where it can serve
-the call, PyTorch elsewhere). `last_backend` says which one served the last call; the first use
-of each is logged.
+`register_backend` (stage 3b adds "triton" and "cpu"), or "auto" (flash-attn's kernel where it
+can serve the call, else a registered kernel that offers itself to "auto" and can serve it, else
+PyTorch). `last_backend` says which one served the last call; the first use of each is logged.
 """
 
 from __future__ import annotations
@@ -46,18 +46,22 @@ class Backend(NamedTuple):
     runs after the new k/v are written: row b has `seqlens_k[b]` keys in the blocks its
     `block_table` row lists (every entry a real block: see `owned_block_table`).
     `why_not(q, k_cache)` is a sentence saying why it cannot serve a call, or None.
+    `auto`: "auto" may pick it, before PyTorch, for a call it can serve.
     """
     attend: Callable
     why_not: Callable = lambda q, k_cache: None
+    auto: bool = False
 
 
 BACKENDS: dict[str, Backend] = {}   # name -> Backend; flash-attn's kernel is called directly
 
 
-def register_backend(name: str, attend: Callable, why_not: Callable | None = None) -> None:
+def register_backend(name: str, attend: Callable, why_not: Callable | None = None,
+                     auto: bool = False) -> None:
     """Make `flash_attn_with_kvcache(..., backend=name)` (and PagedCache's `backend=name`) run
-    `attend`, with the write, the checks and the flash-attn semantics of every other backend."""
-    BACKENDS[name] = Backend(attend, why_not or Backend._field_defaults["why_not"])
+    `attend`, with the write, the checks and the flash-attn semantics of every other backend;
+    with `auto`, "auto" picks it where flash-attn's kernel cannot serve a call and it can."""
+    BACKENDS[name] = Backend(attend, why_not or Backend._field_defaults["why_not"], auto)
 
 
 def available_backends() -> list[str]:
@@ -327,8 +331,9 @@ def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, blo
 
 def pick_backend(backend: str, q, k_cache, block_table) -> str:
     """The implementation that serves a call with `backend=backend`: "auto" is flash-attn's
-    kernel where it can serve the call and "torch" elsewhere. Raises ValueError, with the reason,
-    for a backend that does not exist or cannot serve the call. Sets `last_backend`."""
+    kernel where it can serve the call, else the first backend registered with `auto=True`
+    that can, else "torch". Raises ValueError, with the reason, for a backend that does not
+    exist or cannot serve the call. Sets `last_backend`."""
     global last_backend
     if backend not in available_backends():
         raise ValueError(f"backend must be one of {', '.join(map(repr, available_backends()))}, "
@@ -337,8 +342,19 @@ def pick_backend(backend: str, q, k_cache, block_table) -> str:
     if backend == "flash_attn" and why_not:
         raise ValueError(f"backend='flash_attn' cannot serve this call: {why_not}")
     use_flash = backend == "flash_attn" or (backend == "auto" and why_not is None)
-    name = "flash_attn" if use_flash else "torch" if backend == "auto" else backend
-    if not use_flash and (refusal := BACKENDS[name].why_not(q, k_cache)):
+    name = "flash_attn" if use_flash else backend
+    if backend == "auto" and not use_flash:
+        # the first kernel offered to "auto" that can serve the call, else PyTorch; the log
+        # line says why each one before it could not
+        name, reasons = "torch", [why_not]
+        for candidate in (n for n, b in BACKENDS.items() if b.auto):
+            refusal = BACKENDS[candidate].why_not(q, k_cache)
+            if refusal is None:
+                name = candidate
+                break
+            reasons.append(refusal)
+        why_not = "; ".join(reasons)
+    elif not use_flash and (refusal := BACKENDS[name].why_not(q, k_cache)):
         raise ValueError(f"backend={name!r} cannot serve this call: {refusal}")
     last_backend = name
     _announce(name, why_not if backend == "auto" and not use_flash else None, q.is_cuda)

@@ -35,6 +35,26 @@ def tiny_model(seed=0, dtype=torch.float64, **overrides):
     return model
 
 
+def check_paged_generation(backend, n, dtype=torch.float32, device="cpu"):
+    """A tiny model's greedy tokens on a paged cache attending through `backend`, in stage 3's
+    static batch (blocks of 16) and through the Engine (blocks of 4), are the contiguous
+    cache's. Of the prompts of 3, 14 and 17 tokens, the 14 crosses into a second block."""
+    from minipaged import generate
+    from minipaged.generation import generate_static
+    from minipaged.kv_cache import ContiguousCache
+    from minipaged.paged_cache import generate_paged
+
+    model = tiny_model(dtype=dtype).to(device)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 512, (k,), generator=gen).tolist() for k in (3, 14, 17)]
+    cache = ContiguousCache(model.args, len(prompts), 64, device=device, dtype=dtype)
+    expected = generate_static(model, prompts, n, cache=cache, stop_tokens=[])
+    assert generate_paged(model, prompts, n, block_size=16, backend=backend,
+                          stop_tokens=[]) == expected                       # stage 3's batch
+    assert generate(model, prompts, n, cache="paged", block_size=4, backend=backend,
+                    stop_tokens=[]) == expected                             # the Engine
+
+
 @pytest.fixture
 def model():
     return tiny_model()

@@ -201,17 +201,18 @@ def test_the_step_by_step_comparison_runs_both_caches_to_the_same_tokens(monkeyp
     """The SmolLM2 benchmark's paged-against-contiguous measure, on a tiny model: a positive
     ratio and every part of both caches' steps timed when both caches decode alike (the
     timers unwrapped afterwards), and a refusal when they do not."""
-    from minipaged import kv_cache
+    from minipaged import cpu_attention, kv_cache
     from minipaged.benchmarks import smollm2
 
     model = tiny_model(dtype=torch.float32)
-    original = kv_cache.sdpa
+    original, kernel_call = kv_cache.sdpa, cpu_attention.decode_attention
     ratio, parts = smollm2.paged_over_contiguous(model, PROMPTS[2], 20, rounds=1)
     assert math.isfinite(ratio) and ratio > 0
     assert set(parts) == {"contiguous", "paged"}
     for split in parts.values():      # a part a timer never reached would read 0
         assert all(split[k] > 0 for k in ("prepare", "write+gather", "attention", "rest"))
     assert kv_cache.sdpa is original
+    assert cpu_attention.decode_attention is kernel_call
     broken = smollm2.PagedCache.attend
     monkeypatch.setattr(smollm2.PagedCache, "attend",
                         lambda self, layer, q, k, v: broken(self, layer, q, k, v) * 0)

@@ -5,9 +5,10 @@ land at positions cache_seqlens[b] .. cache_seqlens[b] + Sk - 1 of row b, row b 
 cache_seqlens[b] + Sk keys, and a causal query i sees key j only if j <= i + keys - Sq.
 Block tables are drawn from a shuffled pool with torch.randperm, like flash-attn's own test.
 
-Every semantic test runs on each backend a CPU can run: "torch" (the gather path) and "triton"
-(stage 3b's kernel, in Triton's interpreter without a GPU — slowly, so with fewer random
-seeds; on a CUDA machine it runs compiled, on CUDA tensors).
+Every semantic test runs on each backend a CPU can run: "torch" (the gather path), "cpu" (stage
+3b's C kernel for decode steps, built by the machine's C compiler) and "triton" (stage 3b's
+Triton kernel, in Triton's interpreter without a GPU — slowly, so with fewer random seeds; on
+a CUDA machine it runs compiled, on CUDA tensors).
 """
 
 import logging
@@ -17,11 +18,12 @@ import random
 import pytest
 import torch
 
+from minipaged import cpu_attention
 from minipaged import paged_attention as pa
 from minipaged.paged_attention import flash_attn_with_kvcache
 
-BACKENDS = ["torch", "triton"]
-SEEDS = {"torch": 30, "triton": 6}        # random cases per block size
+BACKENDS = ["torch", "cpu", "triton"]
+SEEDS = {"torch": 30, "cpu": 30, "triton": 6}        # random cases per block size
 GPU = torch.cuda.is_available()
 
 
@@ -268,19 +270,42 @@ def test_bf16_cache_on_cpu(backend):
     torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)
 
 
-def test_cpu_runs_the_torch_backend_and_says_so(monkeypatch, caplog):
+def test_a_cpu_runs_the_c_kernel_and_says_so(monkeypatch, caplog):
+    """"auto" on a CPU: the C kernel, logged once; flash_attn refused with its reason."""
     monkeypatch.setattr(pa, "_announced", set())
     case, _ = random_paged_case(5, 16)
     with caplog.at_level(logging.INFO, logger="minipaged.paged_attention"):
         flash_attn_with_kvcache(**{**case, "k": None, "v": None})
         flash_attn_with_kvcache(**{**case, "k": None, "v": None})
-    assert pa.last_backend == "torch"
+    assert pa.last_backend == "cpu"
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "torch" in lines[0], lines
+    assert len(lines) == 1 and "cpu implementation" in lines[0], lines
     if not torch.cuda.is_available():
         assert not pa.flash_attn_available()
     with pytest.raises(ValueError, match="not on a CUDA GPU|not installed"):
         flash_attn_with_kvcache(**case, backend="flash_attn")
+
+
+def test_without_a_compiler_auto_runs_pytorch_and_says_why(monkeypatch, caplog):
+    """No C compiler: "auto" falls back to the gather path and the log line says why;
+    backend="cpu" is refused with the same reason."""
+    monkeypatch.setattr(pa, "_announced", set())
+    monkeypatch.setattr(cpu_attention, "compiler", lambda: None)
+    cpu_attention.build.cache_clear()
+    case, _ = random_paged_case(5, 16)
+    try:
+        with caplog.at_level(logging.INFO, logger="minipaged.paged_attention"):
+            out = flash_attn_with_kvcache(**{**case, "k": None, "v": None})
+        assert pa.last_backend == "torch"
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and "torch implementation" in lines[0] \
+            and "no C compiler was found" in lines[0], lines
+        assert torch.equal(out, flash_attn_with_kvcache(**{**case, "k": None, "v": None},
+                                                        backend="torch"))
+        with pytest.raises(ValueError, match="backend='cpu' cannot serve this call: no C comp"):
+            flash_attn_with_kvcache(**case, backend="cpu")
+    finally:
+        cpu_attention.build.cache_clear()      # the next test builds with the real compiler
 
 
 def base_call():
@@ -307,7 +332,7 @@ BAD_CALLS = [
     ("block id past the pool", dict(block_table=torch.tensor([[0, 1], [2, 9]], dtype=torch.int32)), "points outside"),
     ("negative length", dict(cache_seqlens=torch.tensor([-2, 1], dtype=torch.int32)), ">= 0"),
     ("paged + cache_batch_idx", dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32)), "cannot be combined"),
-    ("unknown backend", dict(backend="xformers"), "'auto', 'flash_attn', 'torch', 'triton'"),
+    ("unknown backend", dict(backend="xformers"), "'auto', 'flash_attn', 'torch', 'cpu', 'triton'"),
 ]
 
 

@@ -3,6 +3,7 @@
     python -m minipaged.benchmarks.decode_step             # batch 16, 8 layers, dim 1024, ~1K context
     python -m minipaged.benchmarks.decode_step --steps 10  # quicker
     python -m minipaged.benchmarks.decode_step --profile   # torch.profiler's table, both caches
+    python -m minipaged.benchmarks.decode_step --backend cpu   # the paged cache on stage 3b's C kernel
 
 Both caches run the same random-weight Llama 3 (GQA) over the same batch: sequences whose
 contexts are drawn uniformly from [--min-context, --max-context], each adding one token a step.
@@ -13,11 +14,14 @@ the keys are, only on how many there are and where they live.
 Each step is split into
   prepare      the bookkeeping, `cache.prepare(seq_ids, 1)`: lengths, and for the paged cache
                growing and building every layer's block table;
-  write+gather the rest of `cache.attend`: storing the new k/v, copying each row's keys and
-               values out of the cache, and arranging them for the math (transposes, masks,
-               bf16 converted to float32 for a batch attended row by row);
+  write+gather the rest of `cache.attend`: storing the new k/v and, on the PyTorch paths,
+               copying each row's keys and values out of the cache and arranging them for
+               the math (transposes, masks, bf16 converted to float32 for a batch attended
+               row by row); on the C kernel, only the call's own preparation, since the
+               kernel reads the blocks where they lie and its reading counts as attention;
   attention    the attention math itself: every call of `kv_cache.sdpa`, through which both
-               caches attend, whole batches or row by row;
+               caches' PyTorch paths attend, whole batches or row by row, and of stage 3b's C
+               kernel (`cpu_attention.decode_attention`), which reads the blocks as it goes;
   rest         everything else in the forward: the projections, the feed-forward, the logits.
 Steps alternate between the caches, so a busy moment on a shared machine hits both alike,
 and each column shows the best (smallest) time over the steps.
@@ -33,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.profiler import ProfilerActivity, profile
 
-from .. import cli, kv_cache
+from .. import cli, cpu_attention, kv_cache
 from ..kv_cache import ContiguousCache
 from ..model import Llama, ModelArgs
 from ..paged_cache import PagedCache
@@ -93,7 +97,8 @@ def build(args):
     caches = {
         "contiguous": ContiguousCache(margs, args.batch, margs.max_seq_len),
         "paged": PagedCache(margs, num_blocks=need + args.batch, block_size=args.block_size,
-                            max_seqs=args.batch, max_seq_len=margs.max_seq_len, backend="torch"),
+                            max_seqs=args.batch, max_seq_len=margs.max_seq_len,
+                            backend=args.backend),
     }
     for cache in caches.values():                # "prefill": the prompts are stored, at random
         for i, c in zip(seq_ids, contexts):
@@ -108,19 +113,23 @@ def build(args):
 def step(model, cache, seq_ids, tokens, timer):
     """One decode step of `model` on `cache`, its parts timed into `timer`; returns the logits.
 
-    The attention math inside each cache's `attend` is timed by wrapping the one function
-    both call for it, `kv_cache.sdpa`, for the length of the step (and `attend` itself, on
-    this cache only), so each timer sees only its own calls."""
-    original = kv_cache.sdpa
+    The attention math inside each cache's `attend` is timed by wrapping the functions that
+    do it, for the length of the step: `kv_cache.sdpa`, which every PyTorch path calls, and
+    the C kernel's `cpu_attention.decode_attention`, which reads the blocks and does the math
+    at once (and `attend` itself, on this cache only), so each timer sees only its own calls."""
+    timed = [(kv_cache, "sdpa"), (cpu_attention, "decode_attention")]
+    originals = [getattr(module, name) for module, name in timed]
     cache.attend = timer.wrap("attend", type(cache).attend.__get__(cache))
-    kv_cache.sdpa = timer.wrap("attention", original)
+    for (module, name), original in zip(timed, originals):
+        setattr(module, name, timer.wrap("attention", original))
     try:
         t0 = time.perf_counter()
         timer.wrap("prepare", cache.prepare)(seq_ids, 1)
         logits = model(tokens, cache=cache)
         timer.now["step"] += time.perf_counter() - t0
     finally:
-        kv_cache.sdpa = original
+        for (module, name), original in zip(timed, originals):
+            setattr(module, name, original)
         del cache.attend
     timer.end_step()
     return logits
@@ -139,6 +148,9 @@ def main(argv=None):
     p.add_argument("--min-context", type=cli.whole(1), default=512)
     p.add_argument("--max-context", type=cli.whole(1), default=1536)
     p.add_argument("--block-size", type=cli.whole(1), default=16)
+    p.add_argument("--backend", choices=["torch", "cpu"], default="torch",
+                   help="the paged cache's attention: stage 3's PyTorch path (gather, then "
+                        "attend), or stage 3b's C kernel (reads the blocks where they lie)")
     p.add_argument("--steps", type=cli.whole(1), default=30, help="timed decode steps per cache")
     p.add_argument("--warmup", type=cli.whole(0), default=2)
     p.add_argument("--threads", type=cli.whole(1), default=1,
@@ -178,7 +190,7 @@ def main(argv=None):
     console.print(f"one decode step on the CPU (fp32, {torch.get_num_threads()} thread(s)): batch "
                   f"{args.batch}, {args.layers} layers, dim {args.dim}, {args.heads} heads / "
                   f"{args.kv_heads} KV heads, contexts {min(contexts)}-{max(contexts)} tokens, "
-                  f"block {args.block_size}")
+                  f"block {args.block_size}, paged attention: backend {args.backend!r}")
     table = Table(title="µs per decode step", title_justify="left")
     table.add_column("cache")
     for part in (*PARTS, "step"):

@@ -1,0 +1,99 @@
+/* Stage 3b: paged attention for a decode step, as a C kernel for CPUs (cpu_attention.py).
+
+   The walk of online_softmax.py and of vLLM's paged_attention_v1, for one query token per
+   row: every (row, KV head) walks its row's block table and reads each block's keys and
+   values where they lie in the pool, keeping a running max, a running sum and an
+   accumulator per query head of its group. Nothing is gathered, nothing is masked: the walk
+   stops at the row's last key.
+
+   cpu_attention.py compiles this file once per (KV dtype, head dim, group size), the first
+   time a step needs it, with those three set by -D flags: the compiler then knows every loop's
+   length and unrolls and vectorizes the products over the head dim.
+
+     KV_BF16      keys and values are bfloat16 (else float32); q and the output are float32
+     HEAD_DIM     D, the head dim
+     GROUP        query heads per KV head (grouped-query attention)
+
+   Shapes (all C-contiguous):
+     q            (B, Hk * GROUP, D) float32: the step's one query per row
+     k_cache      (num_blocks, block_size, Hk, D), v_cache likewise
+     block_table  (B, table_width) int64: row b's key j is in block block_table[b][j / block_size]
+     seqlens      (B,) int64: keys per row, the new one included
+     out          (B, Hk * GROUP, D) float32
+*/
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef KV_BF16
+typedef uint16_t kv_t;
+static inline float load(kv_t x) {   /* a bfloat16 is the top half of a float32 */
+    union { uint32_t bits; float value; } f = { (uint32_t)x << 16 };
+    return f.value;
+}
+#else
+typedef float kv_t;
+static inline float load(kv_t x) { return x; }
+#endif
+
+#define TILE 32   /* keys scored at a time: a block's keys, or a slice of a longer block */
+
+void paged_attention_decode(const float *q, const kv_t *k_cache, const kv_t *v_cache,
+                            const int64_t *block_table, int64_t table_width,
+                            const int64_t *seqlens, int B, int Hk, int block_size,
+                            float scale, float *out, int threads) {
+    const int D = HEAD_DIM, G = GROUP;
+    const int64_t key_stride = (int64_t)Hk * D;          /* from one slot to the next */
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int work = 0; work < B * Hk; work++) {          /* one (row, KV head) each */
+        const int b = work / Hk, kv_head = work % Hk;
+        const float *qs = q + ((int64_t)b * Hk + kv_head) * G * D;   /* its G query heads */
+        float *acc = out + ((int64_t)b * Hk + kv_head) * G * D;
+        float m[GROUP], l[GROUP], p[GROUP][TILE];        /* running max, sum; a tile's weights */
+        for (int h = 0; h < G; h++) { m[h] = -FLT_MAX; l[h] = 0.0f; }
+        memset(acc, 0, sizeof(float) * G * D);
+        const int64_t n = seqlens[b];
+        for (int64_t start = 0; start < n; start += block_size) {    /* block after block */
+            const int64_t block = block_table[b * table_width + start / block_size];
+            const kv_t *keys = k_cache + block * block_size * key_stride + kv_head * D;
+            const kv_t *values = v_cache + block * block_size * key_stride + kv_head * D;
+            const int in_block = n - start < block_size ? (int)(n - start) : block_size;
+            for (int t0 = 0; t0 < in_block; t0 += TILE) {
+                const int count = in_block - t0 < TILE ? in_block - t0 : TILE;
+                /* scores: each key of the tile against the group's queries */
+                for (int t = 0; t < count; t++) {
+                    const kv_t *k = keys + (t0 + t) * key_stride;
+                    for (int h = 0; h < G; h++) {
+                        float dot = 0.0f;
+                        for (int d = 0; d < D; d++) dot += qs[h * D + d] * load(k[d]);
+                        p[h][t] = dot * scale;
+                    }
+                }
+                /* online softmax: a new max rescales what was summed so far */
+                for (int h = 0; h < G; h++) {
+                    float new_max = m[h], sum = 0.0f;
+                    for (int t = 0; t < count; t++) new_max = fmaxf(new_max, p[h][t]);
+                    for (int t = 0; t < count; t++) {
+                        p[h][t] = expf(p[h][t] - new_max);
+                        sum += p[h][t];
+                    }
+                    const float rescale = expf(m[h] - new_max);
+                    l[h] = l[h] * rescale + sum;
+                    m[h] = new_max;
+                    for (int d = 0; d < D; d++) acc[h * D + d] *= rescale;
+                }
+                /* values, weighted */
+                for (int t = 0; t < count; t++) {
+                    const kv_t *v = values + (t0 + t) * key_stride;
+                    for (int h = 0; h < G; h++)
+                        for (int d = 0; d < D; d++) acc[h * D + d] += p[h][t] * load(v[d]);
+                }
+            }
+        }
+        for (int h = 0; h < G; h++) {                    /* a row with no key: zeros */
+            const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+            for (int d = 0; d < D; d++) acc[h * D + d] *= inv;
+        }
+    }
+}
