@@ -59,7 +59,8 @@ def build(dtype: torch.dtype, head_dim: int, group: int):
         return "no C compiler was found (set CC, or install gcc or clang)"
     defines = [f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", *KV_TYPES[dtype]]
     error = ""
-    with tempfile.TemporaryDirectory(prefix="minipaged-") as tmp:
+    # (a system that cannot delete a loaded library, Windows, keeps the folder rather than fail)
+    with tempfile.TemporaryDirectory(prefix="minipaged-", ignore_cleanup_errors=True) as tmp:
         obj, lib = Path(tmp, "kernel.o"), Path(tmp, "kernel.so")
         for cflags, ldflags in FLAGS:
             steps = [[cc, *cflags, "-fPIC", *defines, "-c", str(SOURCE), "-o", str(obj)],
