@@ -108,9 +108,9 @@ def decode_attention(q, k_cache, v_cache, block_table, seqlens_k, scale):
     block_table[b] of a float32 or bfloat16 pool; (B, 1, Hq, D) out, in q's dtype."""
     B, _, Hq, D = q.shape
     block_size, Hk = k_cache.shape[1:3]
-    if reason := why_not_cpu(q, k_cache):
-        raise RuntimeError(f"the C kernel cannot run this call: {reason}")
-    kernel = build(k_cache.dtype, D, Hq // Hk)
+    kernel = build(k_cache.dtype, D, Hq // Hk)      # built once; a sentence if it could not be
+    if isinstance(kernel, str):
+        raise RuntimeError(f"the C kernel cannot run this call: {kernel}")
     q32 = q.reshape(B, Hq, D).float().contiguous()
     table = block_table.to(torch.int64).contiguous()                   # (B, width)
     lens = seqlens_k.to(torch.int64).contiguous()                      # (B,)

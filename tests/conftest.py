@@ -11,7 +11,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from minipaged import Llama, ModelArgs  # noqa: E402  (after the switch above)
+from minipaged import Llama, ModelArgs, generate  # noqa: E402  (after the switch above)
+from minipaged.generation import generate_static  # noqa: E402
+from minipaged.kv_cache import ContiguousCache  # noqa: E402
+from minipaged.paged_cache import generate_paged  # noqa: E402
 
 # The models here are tiny: a second thread gains nothing, and on a busy 2-core machine two
 # threads that wait for each other at every operation made these tests 20x slower.
@@ -39,11 +42,6 @@ def check_paged_generation(backend, n, dtype=torch.float32, device="cpu"):
     """A tiny model's greedy tokens on a paged cache attending through `backend`, in stage 3's
     static batch (blocks of 16) and through the Engine (blocks of 4), are the contiguous
     cache's. Of the prompts of 3, 14 and 17 tokens, the 14 crosses into a second block."""
-    from minipaged import generate
-    from minipaged.generation import generate_static
-    from minipaged.kv_cache import ContiguousCache
-    from minipaged.paged_cache import generate_paged
-
     model = tiny_model(dtype=dtype).to(device)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 512, (k,), generator=gen).tolist() for k in (3, 14, 17)]
