@@ -18,8 +18,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from minipaged.benchmarks import bookkeeping as bench
 from minipaged.cache_manager import PAD_BLOCK, CacheManager
-from minipaged.kv_budget import (bytes_per_block, kv_budget_from_free_memory,
-                                 make_cache_managers, num_blocks_for_budget)
+from minipaged.kv_budget import bytes_per_block, num_blocks_for_budget
+from minipaged.sizing import kv_budget_from_free_memory, make_cache_managers
 from minipaged.errors import OutOfBlocksError, RequestError
 from minipaged.model import ModelArgs
 
