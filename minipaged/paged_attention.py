@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from . import backends
-from .backends import BACKENDS, flash_attn, pick_backend, register_backend
+from .backends import (BACKENDS, available_backends, flash_attn,  # noqa: F401 (the call's API)
+                       flash_attn_available, pick_backend, register_backend)
 from .checks import check_attention_inputs, check_blocks, check_implemented, check_lengths
 from .kv_cache import attention_over_cache
 
