@@ -218,8 +218,8 @@ def test_the_step_by_step_comparison_runs_both_caches_to_the_same_tokens(monkeyp
         assert all(split[k] > 0 for k in ("prepare", "write+gather", "attention", "rest"))
     assert kv_cache.sdpa is original
     assert cpu_attention.decode_attention is kernel_call
-    broken = smollm2.PagedCache.attend
-    monkeypatch.setattr(smollm2.PagedCache, "attend",
+    broken = smollm2.FastPagedCache.attend
+    monkeypatch.setattr(smollm2.FastPagedCache, "attend",
                         lambda self, layer, q, k, v: broken(self, layer, q, k, v) * 0)
     with pytest.raises(RuntimeError, match="differs from the contiguous cache"):
         smollm2.paged_over_contiguous(model, PROMPTS[2], 20, rounds=1)
