@@ -138,6 +138,30 @@ def check_pool(num_blocks, block_size, n_kv_heads, head_dim, max_seqs, max_block
                  block, f"blocks of {block_size:,} tokens per layer")
 
 
+def check_contiguous(args, max_batch, max_seq_len, device, dtype, kv_bytes_per_token) -> None:
+    """Sizes positive, and room on `device` for a contiguous cache of `max_batch` rows."""
+    check_sizes(max_batch=max_batch, max_seq_len=max_seq_len)
+    row = max_seq_len * kv_bytes_per_token(args.n_kv_heads, args.head_dim, dtype, args.n_layers)
+    check_memory(max_batch * row, device, f"a contiguous cache of {max_batch:,} row(s) of "
+                 f"{max_seq_len:,} tokens", row, f"rows of {max_seq_len:,} tokens")
+
+
+def check_rows(seq_ids, max_batch: int) -> list[int]:
+    """A contiguous cache's rows: integers in [0, max_batch), at least one."""
+    ids = check_ids(seq_ids)
+    if not ids or min(ids) < 0 or max(ids) >= max_batch:
+        raise RequestError(f"sequence ids must lie in [0, {max_batch}); got {list(seq_ids)}")
+    return ids
+
+
+def check_row_room(longest: int, max_seq_len: int) -> None:
+    """OutOfBlocksError if a contiguous row would outgrow the `max_seq_len` slots it reserved."""
+    if longest > max_seq_len:
+        raise OutOfBlocksError(
+            f"a sequence would reach {longest} tokens but each row reserves only "
+            f"{max_seq_len}; ask for fewer new tokens or a larger max_seq_len")
+
+
 # -- a model, a request ---------------------------------------------------------------------------
 
 def check_model_args(args) -> None:

@@ -15,7 +15,7 @@ name), so row b's new tokens sit at positions cache_seqlens[b], cache_seqlens[b]
 The model calls `positions` and `attend`; generation calls `prepare` and `free`. So stage 3's
 paged cache can replace this one without the model noticing.
 
-The sizes and the memory a cache asks for are checked first (`checks.py`, not needed on a
+The sizes, ids and memory a cache is given are checked first (`checks.py`, not needed on a
 first read).
 """
 
@@ -24,8 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import check_memory, check_sizes
-from .errors import OutOfBlocksError, RequestError
+from .checks import check_contiguous, check_count, check_row_room, check_rows
 
 
 def kv_bytes_per_token(n_kv_heads: int, head_dim: int, dtype=torch.bfloat16,
@@ -122,11 +121,7 @@ class ContiguousCache:
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len or args.max_seq_len
         self.n_layers = args.n_layers
-        check_sizes(max_batch=max_batch, max_seq_len=self.max_seq_len)
-        row = self.max_seq_len * kv_bytes_per_token(args.n_kv_heads, args.head_dim, dtype,
-                                                    args.n_layers)
-        check_memory(max_batch * row, device, f"a contiguous cache of {max_batch:,} row(s) of "
-                     f"{self.max_seq_len:,} tokens", row, f"rows of {self.max_seq_len:,} tokens")
+        check_contiguous(args, max_batch, self.max_seq_len, device, dtype, kv_bytes_per_token)
         shape = (max_batch, self.max_seq_len, args.n_kv_heads, args.head_dim)
         self.k_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
         self.v_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
@@ -138,14 +133,9 @@ class ContiguousCache:
     # -- bookkeeping -------------------------------------------------------------------
     def prepare(self, seq_ids, num_new_tokens: int) -> None:
         """Get ready for a forward over `seq_ids`, each adding `num_new_tokens` tokens."""
-        rows = torch.as_tensor(seq_ids, dtype=torch.long)
-        if rows.numel() == 0 or rows.min() < 0 or rows.max() >= self.max_batch:
-            raise RequestError(f"sequence ids must lie in [0, {self.max_batch}); got {list(seq_ids)}")
-        after = self.seq_lens[rows] + num_new_tokens
-        if int(after.max()) > self.max_seq_len:
-            raise OutOfBlocksError(
-                f"a sequence would reach {int(after.max())} tokens but each row reserves only "
-                f"{self.max_seq_len}; ask for fewer new tokens or a larger max_seq_len")
+        rows = torch.as_tensor(check_rows(seq_ids, self.max_batch), dtype=torch.long)  # (B,)
+        after = self.seq_lens[rows] + check_count(num_new_tokens)                    # (B,)
+        check_row_room(int(after.max()), self.max_seq_len)
         self.rows = rows
         self.cache_seqlens = self.seq_lens[rows].clone()
         self.seq_lens[rows] = after
