@@ -17,7 +17,7 @@ from conftest import greedy_reference, tiny_model
 from minipaged import generate
 from minipaged import OutOfBlocksError, RequestError
 from minipaged.cache_manager import CacheManager
-from minipaged.fast import FastPagedCache, FusedLlama, compile_decode
+from minipaged.fast import FastEngine, FastPagedCache, FusedLlama, compile_decode
 from minipaged.fast import paged as fast_paged
 from minipaged.fast.paged import share_bookkeeping
 from minipaged.fast import compiled as compiled_module
@@ -331,3 +331,21 @@ def test_the_backend_is_chosen_once_a_step_not_once_a_layer(monkeypatch):
                          cache_class=FastPagedCache)
     assert out == [greedy_reference(model, p, 6) for p in prompts]
     assert len(calls) == 2 + 5           # two prefills, five decode steps; not times 3 layers
+
+
+@pytest.mark.parametrize("options", [
+    dict(), dict(prefix_caching=True, max_num_batched_tokens=8),
+    dict(num_blocks=12, block_size=4), dict(num_blocks=12, block_size=4, preemption="swap"),
+    dict(n=2, temperature=0.8, prefix_caching=True)], ids=repr)
+def test_the_speed_layers_engine_gives_the_engines_tokens(options):
+    """FastEngine (the engine on FastSharedPagedCache) against stage 6's Engine, under
+    preemption, swapping, prefix caching, a token budget and parallel sampling; greedy runs
+    also against the no-cache forward."""
+    model = tiny_model()
+    prompts = [list(range(1, 19)), list(range(1, 17)) + [40, 41], [5, 6]]
+    want = generate(model, prompts, 12, cache="paged", stop_tokens=[], **options)
+    got = generate(model, prompts, 12, cache="paged", stop_tokens=[], engine_class=FastEngine,
+                   **options)
+    assert got == want
+    if "temperature" not in options:
+        assert got == [greedy_reference(model, p, 12) for p in prompts]
