@@ -15,10 +15,12 @@ Read the stages in order, each module beside its lesson (`lessons/`) and noteboo
     6b  beams.py                                   beam search: beams fork and free shared blocks
 
 Around them: `formats/` (checkpoints and tokenizers), `embedded/` (the shipped model's corpus and
-trainer), `chat/` (`python -m minipaged.chat`), `viz/` (the drawings), `benchmarks/`.
+trainer), `chat/` (`python -m minipaged.chat`), `viz/` (the drawings), `benchmarks/`, `fast/`
+(the speed layer). Support modules beside the stages, not needed on a first read: `checks.py`
+(input and memory checks), `backends.py` (which attention implementation runs), `sizing.py`.
 """
 
-from . import cpu_attention, triton_attention  # register backend="cpu" and "triton"
+from . import cpu_attention, triton_attention  # register backend="cpu" and "triton" (asked by name)
 from .api import Engine, beam_search, generate
 from .errors import (CheckpointError, MiniPagedError, NotEnoughMemoryError, OutOfBlocksError,
                      RequestError, TokenizerError, TraceError, UsageError)

@@ -18,7 +18,7 @@ import torch
 from .beams import beam_search     # stage 6b's, public as it is
 from .errors import RequestError
 from .generation import check_request, generate_static, row_generator
-from .kv_budget import pool_blocks
+from .sizing import pool_blocks
 from .sharing_engine import SharingEngine
 
 Engine = SharingEngine      # the engine with every stage's options
@@ -31,7 +31,7 @@ PAGED_OPTIONS = ("block_size", "num_blocks", "kv_budget", "preemption", "num_cpu
 @torch.inference_mode()
 def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: float = 0.0,
              top_p: float = 1.0, stop_tokens=None, seed: int = 0, max_seq_len: int | None = None,
-             callback=None, n: int = 1, **paged_options):
+             callback=None, n: int = 1, engine_class=None, **paged_options):
     """Continue each prompt (a list of token ids); return only the new tokens, in prompt order.
 
     max_new_tokens: one int, or one per prompt. temperature=0 is greedy; sampling is seeded, and
@@ -50,6 +50,9 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
     shape). Sample j of prompt i draws from stream i * K + j: the stream it would get if each
     prompt were listed K times with n=1. On the paged cache the K samples share the prompt's
     blocks; on the contiguous cache each runs alone. The tokens are the same either way.
+
+    engine_class: the engine cache="paged" runs on (default `Engine`; the speed layer's
+    `minipaged.fast.FastEngine` runs the same steps faster).
     """
     if not isinstance(n, int) or n < 1:
         raise RequestError(f"n (samples per prompt) must be a positive integer, not {n!r}")
@@ -59,8 +62,8 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
                            f"options are {', '.join(PAGED_OPTIONS)}")
     num_prompts = len(prompts) if isinstance(prompts, (list, tuple)) else 0
     if cache == "paged":
-        out = _serve(model, prompts, max_new_tokens, temperature, top_p, stop_tokens, seed,
-                     max_seq_len, callback, n, **paged_options)
+        out = _serve(engine_class or Engine, model, prompts, max_new_tokens, temperature, top_p,
+                     stop_tokens, seed, max_seq_len, callback, n, **paged_options)
     elif cache == "contiguous" or not isinstance(cache, str):
         cache = None if cache == "contiguous" else cache
         if n > 1:       # no blocks to share: sample j of prompt i runs alone, as row i * n + j
@@ -76,7 +79,7 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
     return out if n == 1 else [out[i * n:(i + 1) * n] for i in range(num_prompts)]
 
 
-def _serve(model, prompts, max_new_tokens, temperature, top_p, stop_tokens, seed, max_seq_len,
+def _serve(engine_class, model, prompts, max_new_tokens, temperature, top_p, stop_tokens, seed, max_seq_len,
            callback, n, block_size: int = 16, num_blocks: int | None = None,
            kv_budget: int | None = None, preemption: str = "recompute", **engine_options):
     """cache="paged": every prompt becomes a request of the engine, all arriving at once
@@ -88,8 +91,8 @@ def _serve(model, prompts, max_new_tokens, temperature, top_p, stop_tokens, seed
         num_blocks = pool_blocks(model.args, next(model.parameters()).dtype, block_size,
                                  lengths=lengths)
     engine_options.setdefault("max_num_seqs", len(prompts) * n)
-    engine = Engine(model, num_blocks, block_size, preemption, kv_budget=kv_budget,
-                    max_seq_len=max_seq_len, seed=seed, **engine_options)
+    engine = engine_class(model, num_blocks, block_size, preemption, kv_budget=kv_budget,
+                          max_seq_len=max_seq_len, seed=seed, **engine_options)
     engine.callback = callback
     stop = model.args.stop_tokens if stop_tokens is None else stop_tokens
     for i, (p, m) in enumerate(zip(prompts, limits)):

@@ -36,7 +36,7 @@ import torch
 
 from .errors import RequestError
 from .generation import check_request
-from .kv_budget import pool_blocks
+from .sizing import pool_blocks
 from .kv_cache import ContiguousCache
 from .sharing import SharedPagedCache
 

@@ -8,11 +8,10 @@ when a sequence first needs them and all go back when it ends, so the only memor
 wastes is the unfilled tail of its last block.
 
 The allocator handles integers only: the K/V tensors of the pool sit beside it
-(`k_cache_paged`, `v_cache_paged`) and are read by stage 3's attention. Bookkeeping lives on the
-CPU in preallocated int32 tensors (`block_table`, `seq_lens`, `num_blocks_held`), read and
-written through numpy views of the same memory, as vLLM v1's BlockTable does: a numpy call on a
-64-element array costs about a microsecond, a torch call several, and this code runs for every
-layer on every decode step.
+(`k_cache_paged`, `v_cache_paged`) and are read by stage 3's attention. The tables and lengths
+are int32 CPU tensors, read and written through numpy views of the same memory (`_table`,
+`_lens`, `_held`), as vLLM's BlockTable does. The checks of ids, counts and room live in
+`checks.py` (not needed on a first read); they run before anything changes.
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ import random
 import numpy as np
 import torch
 
-from .errors import OutOfBlocksError, RequestError
-from .kv_cache import check_memory, check_sizes, kv_bytes_per_token
+from .checks import check_count, check_live, check_new, check_one, check_pool, check_room
+from .kv_cache import kv_bytes_per_token
 
 PAD_BLOCK = -1   # what block tables hold past a sequence's last block: "no block here"
 
@@ -58,15 +57,6 @@ class FreeBlockSet:
         return sorted(self._ids)
 
 
-def _bookkeeping(tensor, name: str, shape) -> torch.Tensor:
-    """`tensor` if it is an int32 CPU tensor of `shape` (a caller's), a new one if None."""
-    if tensor is None:
-        return torch.empty(shape, dtype=torch.int32)
-    if tuple(tensor.shape) != shape or tensor.dtype != torch.int32 or tensor.device.type != "cpu":
-        raise RequestError(f"{name} must be an int32 CPU tensor of shape {shape}")
-    return tensor
-
-
 class CacheManager:
     """One layer's paged KV cache: the physical pool, its free blocks, a block table per sequence.
 
@@ -77,44 +67,23 @@ class CacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  max_seqs: int, max_blocks_per_seq: int, device="cpu", dtype=torch.float32,
-                 seed: int = 0, block_table: torch.Tensor | None = None,
-                 seq_lens: torch.Tensor | None = None):
-        """`block_table`, `seq_lens`: int32 CPU tensors of shape (max_seqs, max_blocks_per_seq)
-        and (max_seqs,) to keep the block table and the lengths in (default: new ones); a
-        caller that drives several managers in step can give each a slice of one larger tensor,
-        to read all their tables, or advance all their lengths, in one go."""
-        check_memory(self.pool_bytes(num_blocks, block_size, n_kv_heads, head_dim, max_seqs,
-                                     max_blocks_per_seq, dtype), device,
-                     f"a pool of {num_blocks:,} blocks of {block_size:,} tokens",
-                     block_size * kv_bytes_per_token(n_kv_heads, head_dim, dtype),
-                     f"blocks of {block_size:,} tokens")
+                 seed: int = 0):
+        check_pool(num_blocks, block_size, n_kv_heads, head_dim, max_seqs, max_blocks_per_seq,
+                   device, dtype, kv_bytes_per_token)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_seqs, self.max_blocks_per_seq = max_seqs, max_blocks_per_seq
         self.device = torch.device(device)
-        self._on_cpu = self.device.type == "cpu"
         shape = (num_blocks, block_size, n_kv_heads, head_dim)
         self.k_cache_paged = torch.zeros(shape, device=device, dtype=dtype)   # (N, bs, Hk, D)
         self.v_cache_paged = torch.zeros(shape, device=device, dtype=dtype)
         self.free_blocks = FreeBlockSet(num_blocks, seed)
-        # Bookkeeping tensors, with numpy views (`_table`, ...) that share their memory.
-        self.block_table = _bookkeeping(block_table, "block_table", (max_seqs, max_blocks_per_seq))
-        self.block_table.fill_(PAD_BLOCK)                            # (max_seqs, max_blocks)
-        self.seq_lens = _bookkeeping(seq_lens, "seq_lens", (max_seqs,)).zero_()  # tokens stored
-        self.num_blocks_held = torch.zeros(max_seqs, dtype=torch.int32)
-        self._table = self.block_table.numpy()                       # (max_seqs, max_blocks)
-        self._lens = self.seq_lens.numpy()                           # (max_seqs,)
-        self._held = self.num_blocks_held.numpy()                    # (max_seqs,)
+        self.block_table = torch.full((max_seqs, max_blocks_per_seq), PAD_BLOCK,
+                                      dtype=torch.int32)                 # (max_seqs, max_blocks)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32)         # (max_seqs,) tokens
+        self.num_blocks_held = torch.zeros(max_seqs, dtype=torch.int32)  # (max_seqs,) blocks
+        self._table, self._lens = self.block_table.numpy(), self.seq_lens.numpy()  # same memory
+        self._held = self.num_blocks_held.numpy()
         self._live: set[int] = set()                                 # seq ids that exist now
-
-    @staticmethod
-    def pool_bytes(num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                   max_seqs: int, max_blocks_per_seq: int, dtype=torch.float32) -> int:
-        """Bytes one layer's pool is about to take: its K and V blocks and its block table.
-        RequestError first if a size is not a positive integer."""
-        check_sizes(num_blocks=num_blocks, block_size=block_size, n_kv_heads=n_kv_heads,
-                    head_dim=head_dim, max_seqs=max_seqs, max_blocks_per_seq=max_blocks_per_seq)
-        return num_blocks * block_size * kv_bytes_per_token(n_kv_heads, head_dim, dtype) + \
-            max_seqs * max_blocks_per_seq * 4                    # int32 block table
 
     # -- counts -------------------------------------------------------------------------------
     @property
@@ -134,7 +103,7 @@ class CacheManager:
 
     def blocks_of(self, seq_id: int) -> list[int]:
         """A sequence's physical blocks in logical order: its block table without the padding."""
-        s = self._one(seq_id)
+        s = check_one(self, seq_id)
         return self._table[s, : self._held[s]].tolist()
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -144,10 +113,9 @@ class CacheManager:
     # -- allocation -----------------------------------------------------------------------------
     def reserve(self, seq_id: int, num_tokens: int) -> list[int]:
         """Start sequence `seq_id` with blocks for `num_tokens` tokens (a prompt); return them."""
-        s = self._new(seq_id)
-        n = self._count(num_tokens)
+        s, n = check_new(self, seq_id), check_count(num_tokens)
         k = self.blocks_for(n)
-        self._check_room([s], [k], k)
+        check_room(self, [s], [k], k)
         blocks = self._take(k)
         self._table[s, :k] = blocks
         self._held[s], self._lens[s] = k, n
@@ -156,25 +124,20 @@ class CacheManager:
 
     def grow(self, seq_ids, num_new_tokens: int) -> int:
         """Each listed sequence gains `num_new_tokens` tokens: all do, or none if blocks run out.
-
-        A sequence takes new blocks only when its last block is full. The work past a few array
-        operations is proportional to the sequences that cross a block boundary. Returns the
-        number of blocks taken.
-        """
-        rows = self._rows(seq_ids, unique=True)                      # (B,)
-        n = self._count(num_new_tokens)
+        A sequence takes new blocks only when its last block is full. Returns the blocks taken."""
+        rows, n = check_live(self, seq_ids, unique=True), check_count(num_new_tokens)   # (B,)
         seqs, held, needed = self._crossing(rows, n)
         total = sum(needed) - sum(held)
         if seqs:
-            self._check_room(seqs, needed, total)
+            check_room(self, seqs, needed, total)
             self._add_blocks(seqs, held, needed)
         self._lens[rows] += n
         return total
 
     def blocks_needed(self, seq_ids, num_new_tokens: int) -> int:
         """New blocks `grow(seq_ids, num_new_tokens)` would take."""
-        _, held, needed = self._crossing(self._rows(seq_ids, unique=True),
-                                         self._count(num_new_tokens))
+        rows, n = check_live(self, seq_ids, unique=True), check_count(num_new_tokens)
+        _, held, needed = self._crossing(rows, n)
         return sum(needed) - sum(held)
 
     def _crossing(self, rows, n):
@@ -196,7 +159,7 @@ class CacheManager:
 
     def free(self, seq_id: int) -> list[int]:
         """End a sequence: every one of its blocks goes back to the free set. Returns them."""
-        s = self._one(seq_id)
+        s = check_one(self, seq_id)
         blocks = self._table[s, : self._held[s]].tolist()
         self._release(blocks)
         self._table[s, : self._held[s]] = PAD_BLOCK
@@ -215,19 +178,14 @@ class CacheManager:
     # -- what attention reads ---------------------------------------------------------------------
     def block_table_for(self, seq_ids) -> torch.Tensor:
         """int32 (B, W): row b is sequence seq_ids[b]'s block table, padded with PAD_BLOCK (-1).
-
-        W is the most blocks any of these sequences holds (at least 1, so the shape stays valid
-        for kernels). A kernel reads only the first ceil(seq_len / block_size) entries of a row.
-        """
-        rows = self._rows(seq_ids)                                   # (B,)
+        W is the most blocks any of them holds (at least 1, so the shape stays valid)."""
+        rows = check_live(self, seq_ids)                             # (B,)
         width = max(1, int(self._held[rows].max()))
-        table = torch.from_numpy(self._table[rows, :width])          # (B, W), a fresh copy
-        return table if self._on_cpu else table.to(self.device)
+        return torch.from_numpy(self._table[rows, :width]).to(self.device)   # (B, W), a copy
 
     def seq_lens_for(self, seq_ids) -> torch.Tensor:
         """int32 (B,): tokens stored for each listed sequence (flash-attn's cache_seqlens)."""
-        lens = torch.from_numpy(self._lens[self._rows(seq_ids)])     # (B,), a fresh copy
-        return lens if self._on_cpu else lens.to(self.device)
+        return torch.from_numpy(self._lens[check_live(self, seq_ids)]).to(self.device)  # a copy
 
     def pool_usage(self):
         """Per physical block: owning seq id (-1: free) and tokens filled. For drawings, stats."""
@@ -241,59 +199,3 @@ class CacheManager:
             if k:
                 filled[blocks[-1]] = int(self._lens[s]) - (k - 1) * self.block_size
         return owner, filled
-
-    # -- checks ---------------------------------------------------------------------------------
-    def _rows(self, seq_ids, unique: bool = False) -> np.ndarray:
-        """Sequence ids (list, tuple, tensor or array) -> integer numpy rows, all of them live."""
-        if isinstance(seq_ids, torch.Tensor):
-            rows = seq_ids.cpu().numpy()
-        else:
-            rows = np.asarray(seq_ids, dtype=np.int64)
-        ids = rows.tolist()
-        if not self._live.issuperset(ids) or not ids or (unique and len(set(ids)) != len(ids)):
-            if not ids:
-                raise RequestError("no sequence ids given")
-            unknown = sorted(set(ids) - self._live)
-            if unknown:
-                raise RequestError(f"sequences {unknown} hold no blocks here: reserve them first "
-                                   f"(or they have already been freed)")
-            raise RequestError(f"a sequence id appears twice in {ids}; list each sequence once")
-        return rows
-
-    def _one(self, seq_id) -> int:
-        s = int(seq_id)
-        if s not in self._live:
-            raise RequestError(f"sequence {seq_id} holds no blocks here: reserve it first "
-                               f"(or it has already been freed)")
-        return s
-
-    def _new(self, seq_id) -> int:
-        """A sequence id that may start now: inside the table and holding nothing."""
-        s = int(seq_id)
-        if not 0 <= s < self.max_seqs:
-            raise RequestError(f"sequence id {seq_id} is outside [0, {self.max_seqs})")
-        if s in self._live:
-            raise RequestError(f"sequence {s} already holds blocks; free it before reusing its id")
-        return s
-
-    @staticmethod
-    def _count(num_tokens) -> int:
-        if int(num_tokens) != num_tokens or num_tokens < 0:
-            raise RequestError(f"a token count must be a non-negative integer, got {num_tokens!r}")
-        return int(num_tokens)
-
-    def _check_room(self, seqs, blocks_after, total: int, unavailable: int = 0) -> None:
-        """Raise, before anything changes, if a table row or the free blocks are too few
-        (`unavailable`: free blocks that this very call will not take from the free set)."""
-        if max(blocks_after) > self.max_blocks_per_seq:
-            too_long = [s for s, k in zip(seqs, blocks_after) if k > self.max_blocks_per_seq]
-            raise RequestError(
-                f"sequence(s) {too_long} would need more than max_blocks_per_seq="
-                f"{self.max_blocks_per_seq} blocks ({self.max_blocks_per_seq * self.block_size} "
-                f"tokens); end them sooner or build the CacheManager with a longer table")
-        free = self.num_free_blocks - unavailable
-        if total > free:
-            raise OutOfBlocksError(
-                f"out of KV blocks: this step needs {total} new block(s) but only {free} of "
-                f"{self.num_blocks} are free; finish or preempt a sequence, or size the pool "
-                f"from a larger KV budget. Nothing was allocated.")

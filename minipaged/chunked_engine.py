@@ -14,9 +14,10 @@ each chunk. Two ways to run them in one call:
 
 `PackedBatch` is the packed way, behind the cache interface the model already calls: its
 `positions` give each token its place in its own sequence, and its `attend` splits the row into
-segments — all decodes as one (B, 1) batch, each chunk as (1, n) — and attends for each over
-the paged cache as stage 3's `flash_attn_with_kvcache` does (`attend_step`, with the bookkeeping
-the cache did for that segment), causal from the segment's cached tokens on (query i of a chunk sees the cached tokens and the chunk's tokens up to i). The model
+segments — all decodes as one (B, 1) batch, each chunk as (1, n) — and attends for each with the
+cache's own `attend`, on the bookkeeping the cache did for that segment (`PagedCache.STEP`),
+causal from the segment's cached tokens on (query i of a chunk sees the cached tokens and the
+chunk's tokens up to i). The model
 returns logits only at the tokens that sample: the decodes and the last token of each chunk
 that ends a prompt (`logits_indices`).
 
@@ -30,7 +31,6 @@ import torch
 
 from .chunked_prefill import ChunkedScheduler
 from .engine import Engine
-from .paged_attention import attend_step
 
 
 class PackedBatch:
@@ -42,13 +42,13 @@ class PackedBatch:
 
     def __init__(self, cache):
         self.cache = cache
-        self.segments = []       # (sequences, tokens each, the cache's PagedStep for them)
+        self.segments = []       # (sequences, tokens each, what the cache's attend reads for them)
         self._positions = []     # per segment, (sequences, tokens each)
 
     def add(self, seq_ids, num_new_tokens: int) -> None:
         c = self.cache
         c.prepare(seq_ids, num_new_tokens)
-        self.segments.append((len(seq_ids), num_new_tokens, c.step))
+        self.segments.append((len(seq_ids), num_new_tokens, {a: getattr(c, a) for a in c.STEP}))
         self._positions.append(c.positions)
 
     @property
@@ -59,13 +59,12 @@ class PackedBatch:
     def attend(self, layer: int, q, k, v):
         """q (1, N, Hq, D), k and v (1, N, Hk, D): each segment writes its new k/v into its
         sequences' blocks and attends over them, causal, bottom-right aligned."""
-        m = self.cache.managers[layer]
         out, start = [], 0
         for rows, n, step in self.segments:
             end = start + rows * n
             q_s, k_s, v_s = (x[0, start:end].view(rows, n, *x.shape[2:]) for x in (q, k, v))
-            y = attend_step(q_s, k_s, v_s, m.k_cache_paged, m.v_cache_paged, step, layer,
-                            self.cache.implementation(q, layer))          # (rows, n, Hq, D)
+            vars(self.cache).update(step)        # the cache attends as for this segment alone
+            y = self.cache.attend(layer, q_s, k_s, v_s)                   # (rows, n, Hq, D)
             out.append(y.reshape(1, end - start, *y.shape[2:]))
             start = end
         return torch.cat(out, 1)                                          # (1, N, Hq, D)

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import RequestError
-from .kv_budget import admits
+from .simulator import admits
 from .scheduler import Request, ScheduledStep, Scheduler
 
 

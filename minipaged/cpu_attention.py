@@ -10,13 +10,14 @@ torch's threads with OpenMP.
 
 The C compiler the machine has (`$CC`, else `cc`, `gcc` or `clang`) builds it the first time
 a step needs it, once per (KV dtype, head dim, group size), into a temporary file; a build
-takes under a second. Where no compiler can build it, `why_not_cpu` says so and `"auto"` runs
-stage 3's PyTorch path instead.
+takes under a second. Where no compiler can build it, `why_not_cpu` says so (and the speed
+layer's "auto" runs stage 3's PyTorch path instead).
 
 Only decode steps (one query per row, fp32 or bf16) reach the kernel; prompts and other
 dtypes take stage 3's gather path, as vLLM's first versions sent prompts through ordinary
 attention and kept the paged kernel for decode. Importing this module registers "cpu" with
-`flash_attn_with_kvcache`, and lets `backend="auto"` pick it on a CPU.
+`flash_attn_with_kvcache`; it runs when asked for (`backend="cpu"`), or through the speed layer
+(`minipaged.fast`), whose "auto" picks it on a CPU where it builds. Stage 3's "auto" never does.
 """
 
 from __future__ import annotations
@@ -121,4 +122,4 @@ def decode_attention(q, k_cache, v_cache, block_table, seqlens_k, scale):
     return out.to(q.dtype)
 
 
-register_backend("cpu", cpu_paged_attention, why_not_cpu, auto=True)
+register_backend("cpu", cpu_paged_attention, why_not_cpu)

@@ -27,7 +27,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .errors import RequestError
 from .generation import check_request, sample
-from .kv_budget import WATERMARK, bytes_per_block, pool_blocks
+from .kv_budget import bytes_per_block
+from .simulator import WATERMARK
+from .sizing import pool_blocks
 from .paged_cache import PagedCache
 from .scheduler import Request, Scheduler
 from .swap import SwapSpace

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import RequestError
+from .checks import check_request, check_sampling  # noqa: F401 (check_sampling: for callers)
 from .kv_cache import ContiguousCache
 
 
@@ -36,38 +36,6 @@ def row_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + index) % 2**64)
 
 
-def check_sampling(temperature: float, top_p: float) -> None:
-    """Refuse sampling settings that mean nothing (NaN included: it fails every comparison)."""
-    if not temperature >= 0 or not 0 < top_p <= 1:
-        raise RequestError(f"need temperature >= 0 and 0 < top_p <= 1; got {temperature}, {top_p}")
-
-
-def check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_len) -> list[int]:
-    """Refuse a request that cannot be served, before any work is done. Returns the limit of
-    new tokens for each prompt (`max_new_tokens` may be one int or one per prompt)."""
-    vocab = model.args.vocab_size
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise RequestError("prompts must be a non-empty list of token-id lists")
-    for i, p in enumerate(prompts):
-        if not isinstance(p, (list, tuple)) or not p:
-            raise RequestError(f"prompt {i} is empty or not a list of token ids")
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in p):
-            raise RequestError(f"prompt {i} holds a token id outside [0, {vocab}) or a non-integer")
-    limits = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else \
-        [max_new_tokens] * len(prompts)
-    if len(limits) != len(prompts) or not all(isinstance(m, int) and m >= 0 for m in limits):
-        raise RequestError(f"max_new_tokens must be a non-negative integer, or one per prompt, "
-                           f"not {max_new_tokens!r}")
-    check_sampling(temperature, top_p)
-    for i, (p, m) in enumerate(zip(prompts, limits)):
-        if len(p) + m > max_seq_len:
-            raise RequestError(
-                f"prompt {i} has {len(p)} tokens; with max_new_tokens={m} it needs "
-                f"{len(p) + m} positions, but the cache holds {max_seq_len} per sequence. "
-                "Shorten the prompt, ask for fewer new tokens, or raise max_seq_len.")
-    return limits
-
-
 @torch.inference_mode()
 def generate_static(model, prompts, max_new_tokens, cache=None, temperature: float = 0.0,
                     top_p: float = 1.0, stop_tokens=None, seed: int = 0,
@@ -76,7 +44,7 @@ def generate_static(model, prompts, max_new_tokens, cache=None, temperature: flo
     tokens, in prompt order.
 
     max_new_tokens: one int, or one per prompt. cache: any object with the cache interface
-    (`prepare`, `cache_seqlens`, `attend`, `free`) holding a row per prompt; None builds a
+    (`kv_cache.py`'s docstring) holding a row per prompt; None builds a
     ContiguousCache that reserves `max_seq_len` slots for each. stop_tokens: None uses the
     model's (`model.args.stop_tokens`), [] never stops early; a stop token ends its sequence and
     is not returned. callback(event, seq_id, token, cache) is called after every prefill and

@@ -3,28 +3,28 @@
 Every sequence slot gets `max_seq_len` positions in every layer before it has produced a single
 token. Most of those slots are never used: that waste is what paging (stages 2-3) wins back.
 
-The model talks to any cache through three calls, so stage 3's paged cache can replace this one
-without the model noticing:
+The cache interface, the one every cache in this repository offers (stated here, once):
 
-    cache.prepare(seq_ids, num_new_tokens)  # before a forward: which sequences, how many tokens
-    cache.positions                          # (B, T): where each new token sits in its sequence
-    cache.attend(layer, q, k, v)             # store the new k/v, attend q over everything stored
+    cache.prepare(seq_ids, num_new_tokens)   # before a forward: room for each sequence's new tokens
+    cache.positions                           # (B, T): where each new token sits in its sequence
+    cache.attend(layer, q, k, v)              # store the new k/v, attend q over everything stored
+    cache.free(seq_id)                        # a finished sequence gives its memory back
 
-`cache.cache_seqlens` (B,) int32 counts the tokens each row stored before the step, so row b's
-new tokens sit at positions cache_seqlens[b], cache_seqlens[b] + 1, ...
+and `cache.cache_seqlens` (B,) int32: tokens each row stored before the step (flash-attn's
+name), so row b's new tokens sit at positions cache_seqlens[b], cache_seqlens[b] + 1, ...
+The model calls `positions` and `attend`; generation calls `prepare` and `free`. So stage 3's
+paged cache can replace this one without the model noticing.
 
-A cache zeroes all its memory when it is built, so it first checks that the machine has that
-much available (`check_memory`): a pool larger than memory would otherwise be killed by the
-operating system's out-of-memory killer half-way through, with no message.
+The sizes, ids and memory a cache is given are checked first (`checks.py`, not needed on a
+first read).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .errors import NotEnoughMemoryError, OutOfBlocksError, RequestError
+from .checks import check_contiguous, check_count, check_row_room, check_rows
 
 
 def kv_bytes_per_token(n_kv_heads: int, head_dim: int, dtype=torch.bfloat16,
@@ -33,52 +33,6 @@ def kv_bytes_per_token(n_kv_heads: int, head_dim: int, dtype=torch.bfloat16,
     n_kv_heads * head_dim * bytes per element. Llama 3 8B in bf16: 2 * 32 * 8 * 128 * 2 =
     131,072 (128 KiB), so a cache of 8,192 tokens takes 1 GiB per sequence."""
     return 2 * n_layers * n_kv_heads * head_dim * dtype.itemsize
-
-
-def check_sizes(**sizes) -> None:
-    """RequestError unless every named size (`max_batch=4`, ...) is a positive integer."""
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise RequestError(f"{name} must be a positive integer, got {value!r}")
-
-
-def available_memory(device) -> int | None:
-    """Bytes `device` can still give without pushing anything else out: the free memory of a
-    CUDA device, MemAvailable of /proc/meminfo on a Linux CPU; None where neither is known."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024          # the file counts in KiB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def check_memory(nbytes: int, device, what: str, unit_bytes: int = 0, unit: str = "") -> None:
-    """Refuse to allocate `nbytes` for `what` if `device` has less available: raise
-    NotEnoughMemoryError naming the size asked for and what fits (how many `unit`s of
-    `unit_bytes` bytes each), before anything is allocated."""
-    available = available_memory(device)
-    if available is None or nbytes <= available:
-        return
-    fits = f": room for at most {available // unit_bytes:,} {unit}" if unit_bytes else ""
-    raise NotEnoughMemoryError(
-        f"{what} needs {format_bytes(nbytes)}, but {torch.device(device)} has only "
-        f"{format_bytes(available)} available{fits}. Ask for less; nothing was allocated.")
-
-
-def format_bytes(n: int) -> str:
-    """1536 -> '1.5 KiB': a size as a person reads it."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            return f"{n:,} B" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
 
 
 def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=None):
@@ -167,11 +121,7 @@ class ContiguousCache:
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len or args.max_seq_len
         self.n_layers = args.n_layers
-        check_sizes(max_batch=max_batch, max_seq_len=self.max_seq_len)
-        row = self.max_seq_len * kv_bytes_per_token(args.n_kv_heads, args.head_dim, dtype,
-                                                    args.n_layers)
-        check_memory(max_batch * row, device, f"a contiguous cache of {max_batch:,} row(s) of "
-                     f"{self.max_seq_len:,} tokens", row, f"rows of {self.max_seq_len:,} tokens")
+        check_contiguous(args, max_batch, self.max_seq_len, device, dtype, kv_bytes_per_token)
         shape = (max_batch, self.max_seq_len, args.n_kv_heads, args.head_dim)
         self.k_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
         self.v_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
@@ -183,14 +133,9 @@ class ContiguousCache:
     # -- bookkeeping -------------------------------------------------------------------
     def prepare(self, seq_ids, num_new_tokens: int) -> None:
         """Get ready for a forward over `seq_ids`, each adding `num_new_tokens` tokens."""
-        rows = torch.as_tensor(seq_ids, dtype=torch.long)
-        if rows.numel() == 0 or rows.min() < 0 or rows.max() >= self.max_batch:
-            raise RequestError(f"sequence ids must lie in [0, {self.max_batch}); got {list(seq_ids)}")
-        after = self.seq_lens[rows] + num_new_tokens
-        if int(after.max()) > self.max_seq_len:
-            raise OutOfBlocksError(
-                f"a sequence would reach {int(after.max())} tokens but each row reserves only "
-                f"{self.max_seq_len}; ask for fewer new tokens or a larger max_seq_len")
+        rows = torch.as_tensor(check_rows(seq_ids, self.max_batch), dtype=torch.long)  # (B,)
+        after = self.seq_lens[rows] + check_count(num_new_tokens)                    # (B,)
+        check_row_room(int(after.max()), self.max_seq_len)
         self.rows = rows
         self.cache_seqlens = self.seq_lens[rows].clone()
         self.seq_lens[rows] = after

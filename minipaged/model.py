@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import UsageError
+from .checks import check_model_args
 
 
 @dataclass
@@ -45,14 +45,7 @@ class ModelArgs:
     def __post_init__(self):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UsageError(f"{name} must be a positive whole number, not {value!r}")
-        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
-            raise UsageError(f"the heads must split evenly: dim {self.dim} into n_heads "
-                             f"{self.n_heads}, and n_heads into n_kv_heads {self.n_kv_heads} "
-                             f"groups (grouped-query attention)")
+        check_model_args(self)                # positive sizes, heads that split evenly
         if self.hidden_dim is None:       # Meta's FeedForward sizing, verbatim in spirit
             hidden = int(2 * (4 * self.dim) / 3)
             if self.ffn_dim_multiplier is not None:

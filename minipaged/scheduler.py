@@ -14,7 +14,7 @@ recompute (free its blocks; it goes back to the front of `waiting` with the toke
 generated appended to its prompt, to be prefilled again) or by swap (its blocks are copied to
 the CPU pool, `swap.py`, and freed). Only in a step with no preemption does it then swap
 requests back in and admit waiting ones, as long as their blocks fit with the watermark of
-stage 2 (`kv_budget.admits`) to spare.
+stage 4 (`simulator.admits`) to spare.
 
 The scheduler never runs the model: it moves requests between queues and blocks between
 pools, and returns which requests the engine (`engine.py`) prefills and which it decodes.
@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .errors import RequestError
-from .kv_budget import WATERMARK, admits, watermark_blocks
+from .simulator import WATERMARK, admits, watermark_blocks
 
 PREEMPTION_MODES = ("recompute", "swap")
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cache_manager import CacheManager
+from .checks import check_count, check_live, check_new, check_one, check_room, check_step_room
 from .errors import RequestError
 from .paged_cache import PagedCache
 from .prefix_cache import PrefixCache, block_hashes
@@ -53,7 +54,7 @@ class SharedCacheManager(CacheManager):
         rest of the prompt needs a prefill."""
         if not len(prefix_blocks):
             return super().reserve(seq_id, num_tokens)
-        s, n = self._new(seq_id), self._count(num_tokens)
+        s, n = check_new(self, seq_id), check_count(num_tokens)
         k = self.blocks_for(n)
         shared = [int(b) for b in prefix_blocks]
         if len(shared) > k or self.prefix is None:
@@ -61,7 +62,7 @@ class SharedCacheManager(CacheManager):
                                f"tokens ({k} blocks), nor without prefix caching")
         reviving = [b for b in shared if self.refs[b] == 0]          # cached-free hits
         # the revived blocks count as free now, but this call takes them as hits
-        self._check_room([s], [k], k - len(shared) + len(reviving))
+        check_room(self, [s], [k], k - len(shared) + len(reviving))
         for b in reviving:
             self.prefix.revive(b)
         self.refs[shared] += 1
@@ -73,7 +74,7 @@ class SharedCacheManager(CacheManager):
 
     def fork(self, parent: int, child: int) -> None:
         """`child` starts as a copy of `parent`'s table: every block shared, count +1, no copy."""
-        p, c = self._one(parent), self._new(child)
+        p, c = check_one(self, parent), check_new(self, child)
         k = int(self._held[p])
         self._table[c, :k] = self._table[p, :k]
         self.refs[self._table[p, :k]] += 1
@@ -83,13 +84,13 @@ class SharedCacheManager(CacheManager):
     def grow(self, seq_ids, num_new_tokens: int) -> int:
         """Stage 2's `grow`, with a copy-on-write first for every row about to write into a
         shared last block. All rows grow, or none. Returns the blocks taken, copies included."""
-        rows = self._rows(seq_ids, unique=True)                      # (B,)
-        n = self._count(num_new_tokens)
+        rows = check_live(self, seq_ids, unique=True)                # (B,)
+        n = check_count(num_new_tokens)
         cow = self._shared_writes(rows, n)
         seqs, held, needed = self._crossing(rows, n)
         total = sum(needed) - sum(held) + len(cow)
         if total:
-            self._check_room(seqs or [int(rows[0])], needed or [0], total)
+            check_room(self, seqs or [int(rows[0])], needed or [0], total)
         self._copy_on_write(cow)
         if seqs:
             self._add_blocks(seqs, held, needed)
@@ -98,7 +99,7 @@ class SharedCacheManager(CacheManager):
 
     def blocks_needed(self, seq_ids, num_new_tokens: int) -> int:
         """New blocks `grow(seq_ids, num_new_tokens)` would take, copies-on-write included."""
-        rows, n = self._rows(seq_ids, unique=True), self._count(num_new_tokens)
+        rows, n = check_live(self, seq_ids, unique=True), check_count(num_new_tokens)
         _, held, needed = self._crossing(rows, n)
         return sum(needed) - sum(held) + len(self._shared_writes(rows, n))
 
@@ -149,7 +150,7 @@ class SharedCacheManager(CacheManager):
 
     def name_block(self, seq_id: int, j: int, h: bytes) -> None:
         """Logical block j of a sequence is full: name its physical block `h` for later hits."""
-        s = self._one(seq_id)
+        s = check_one(self, seq_id)
         full = (j + 1) * self.block_size <= self._lens[s]
         if self.prefix is not None and j < self._held[s] and full:
             self.prefix.name(int(self._table[s, j]), h)
@@ -203,7 +204,7 @@ class SharedPagedCache(PagedCache):
             return 0
         first = self.managers[0]
         reviving = sum(first.refs[b] == 0 for b in hits[0])
-        self.check_room(first.blocks_for(n) - len(hits[0]) + reviving, n)
+        check_step_room(self, first.blocks_for(n) - len(hits[0]) + reviving, n)
         for m, layer_hits in zip(self.managers, hits):
             m.reserve(s, n, prefix_blocks=layer_hits)
         self.set_step([s], n - skipped)

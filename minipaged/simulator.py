@@ -24,6 +24,7 @@ are computed in one numpy operation: the whole comparison runs in seconds.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,12 +33,31 @@ import torch
 
 from .errors import OutOfBlocksError, RequestError
 from .fragmentation import KINDS, FirstFitAllocator, KVWaste, split_allocated, split_free
-from .kv_budget import WATERMARK, admits, watermark_blocks
 from .kv_cache import kv_bytes_per_token
 
 # Llama 3 8B: 32 layers of 8 KV heads of 128 dims, in bf16 (128 KiB a token)
 LLAMA3_8B_BF16_BYTES_PER_TOKEN = kv_bytes_per_token(8, 128, torch.bfloat16, n_layers=32)
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+
+
+# -- the watermark: keeping a few blocks free when admitting ------------------------------------
+
+# vLLM v0's block manager admits a sequence only if 1% of the pool stays free afterwards, so the
+# decode steps right after an admission do not run dry at once. Stage 5's scheduler uses the
+# same rule.
+WATERMARK = 0.01
+
+
+def watermark_blocks(num_blocks: int, watermark: float = WATERMARK) -> int:
+    """Blocks to leave free after admitting a sequence: `watermark` of the pool, at least one
+    (none when the watermark is 0)."""
+    return max(1, math.ceil(watermark * num_blocks)) if watermark else 0
+
+
+def admits(need: int, num_free: int, reserve: int, alone: bool) -> bool:
+    """May a sequence that needs `need` blocks start now? Only if `reserve` blocks (the
+    watermark) stay free afterwards — unless it would run alone, when it may take them all."""
+    return need <= num_free if alone else need + reserve <= num_free
 
 
 @dataclass(frozen=True)

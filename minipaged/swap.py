@@ -14,7 +14,8 @@ import torch
 
 from .cache_manager import CacheManager
 from .errors import OutOfBlocksError
-from .kv_cache import check_memory
+from .checks import check_memory, pool_bytes
+from .kv_cache import kv_bytes_per_token
 
 
 def move_sequence(src: CacheManager, dst: CacheManager, seq_id: int) -> tuple[list[int], list[int]]:
@@ -42,9 +43,9 @@ class SwapSpace:
         first = cache.managers[0]
         k = first.k_cache_paged
         self.cache = cache
-        per_layer = CacheManager.pool_bytes(num_cpu_blocks, cache.block_size, k.shape[2],
-                                            k.shape[3], first.max_seqs, first.max_blocks_per_seq,
-                                            k.dtype)
+        per_layer = pool_bytes(num_cpu_blocks, cache.block_size, k.shape[2], k.shape[3],
+                               first.max_seqs, first.max_blocks_per_seq, k.dtype,
+                               kv_bytes_per_token)
         check_memory(len(cache.managers) * per_layer, "cpu", f"a CPU swap pool of "
                      f"{num_cpu_blocks:,} blocks in each of {len(cache.managers)} layers")
         self.cpu_managers = [CacheManager(num_cpu_blocks, cache.block_size, k.shape[2],

@@ -18,8 +18,8 @@ running sum and an accumulator in registers. The grid is (B, Hk, query slices x 
 Importing this module registers "triton" with stage 3's `flash_attn_with_kvcache`, so a
 PagedCache, `generate_paged` and the Engine accept `backend="triton"`. Triton compiles for
 GPUs; on a CPU it runs only through Triton's interpreter (`TRITON_INTERPRET=1` set before
-triton is imported), slowly: for tests and the notebook, never for serving. `backend="auto"`
-never picks it.
+triton is imported), slowly: for tests and the notebook, never for serving. It runs only when
+asked for: `backend="auto"` never picks it.
 """
 
 from __future__ import annotations

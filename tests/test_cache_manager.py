@@ -18,10 +18,11 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from minipaged.benchmarks import bookkeeping as bench
 from minipaged.cache_manager import PAD_BLOCK, CacheManager
-from minipaged.kv_budget import (bytes_per_block, kv_budget_from_free_memory,
-                                 make_cache_managers, num_blocks_for_budget)
+from minipaged.kv_budget import bytes_per_block, num_blocks_for_budget
+from minipaged.sizing import kv_budget_from_free_memory, make_cache_managers
 from minipaged.errors import OutOfBlocksError, RequestError
 from minipaged.model import ModelArgs
+from minipaged.paged_cache import PagedCache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -350,6 +351,53 @@ def test_errors_name_the_problem():
 
 
 # -- the benchmark runs ---------------------------------------------------------------------------
+
+BAD_COUNTS = [1.5, float("nan"), True, 2**31, -1, "3", None, torch.tensor(2.0)]
+BAD_IDS = [1.5, float("nan"), True, 2**31, "1", None, torch.tensor(1.0)]
+
+
+@pytest.mark.parametrize("bad", BAD_COUNTS, ids=repr)
+def test_a_token_count_that_is_not_a_whole_number_is_refused_before_anything_changes(bad):
+    cm = make()
+    cm.reserve(1, 5)
+    before = snapshot(cm)
+    for call in (lambda: cm.reserve(2, bad), lambda: cm.grow([1], bad),
+                 lambda: cm.blocks_needed([1], bad)):
+        with pytest.raises(RequestError, match="token count must be a non-negative integer"):
+            call()
+        assert_same(snapshot(cm), before)
+
+
+@pytest.mark.parametrize("bad", BAD_IDS, ids=repr)
+def test_a_sequence_id_that_is_not_an_integer_is_refused_before_anything_changes(bad):
+    """`free(1.5)` used to free sequence 1: every call that takes an id refuses it now."""
+    cm = make()
+    cm.reserve(1, 5)
+    before = snapshot(cm)
+    for call in (lambda: cm.free(bad), lambda: cm.reserve(bad, 3), lambda: cm.grow([bad], 1),
+                 lambda: cm.blocks_of(bad), lambda: cm.block_table_for([bad]),
+                 lambda: cm.seq_lens_for([bad])):
+        with pytest.raises(RequestError):
+            call()
+        assert_same(snapshot(cm), before)
+    with pytest.raises(RequestError, match="sequence ids must be integers"):
+        cm.grow(torch.tensor([1.0]), 1)
+    assert_same(snapshot(cm), before)
+
+
+@pytest.mark.parametrize("bad", BAD_IDS[:4] + BAD_COUNTS[:4], ids=repr)
+def test_a_paged_cache_refuses_such_ids_and_counts_in_every_layer(bad):
+    args = ModelArgs(dim=16, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=32, max_seq_len=64)
+    cache = PagedCache(args, num_blocks=16, block_size=4, max_seqs=4, max_seq_len=64)
+    cache.prepare([1], 5)
+    before = [snapshot(m) for m in cache.managers]
+    for call in (lambda: cache.prepare([bad], 1), lambda: cache.prepare([1], bad),
+                 lambda: cache.free(bad)):
+        with pytest.raises(RequestError):
+            call()
+        for m, b in zip(cache.managers, before):
+            assert_same(snapshot(m), b)
+
 
 def test_benchmark_runs_and_prints_both_implementations(capsys):
     bench.main(["--steps", "20", "--batch", "8", "--layers", "2", "--repeats", "1"])

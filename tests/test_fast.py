@@ -7,6 +7,7 @@ and through the engine; the real weights (SmolLM2 against transformers) are in t
 
 import logging
 import math
+import random
 
 import pytest
 import torch
@@ -14,7 +15,11 @@ import torch.nn.functional as F
 
 from conftest import greedy_reference, tiny_model
 from minipaged import generate
-from minipaged.fast import FusedLlama, compile_decode
+from minipaged import OutOfBlocksError, RequestError
+from minipaged.cache_manager import CacheManager
+from minipaged.fast import FastEngine, FastPagedCache, FusedLlama, compile_decode
+from minipaged.fast import paged as fast_paged
+from minipaged.fast.paged import share_bookkeeping
 from minipaged.fast import compiled as compiled_module
 from minipaged.fast import matvec
 from minipaged.fast.matvec import MatVec
@@ -213,8 +218,8 @@ def test_the_step_by_step_comparison_runs_both_caches_to_the_same_tokens(monkeyp
         assert all(split[k] > 0 for k in ("prepare", "write+gather", "attention", "rest"))
     assert kv_cache.sdpa is original
     assert cpu_attention.decode_attention is kernel_call
-    broken = smollm2.PagedCache.attend
-    monkeypatch.setattr(smollm2.PagedCache, "attend",
+    broken = smollm2.FastPagedCache.attend
+    monkeypatch.setattr(smollm2.FastPagedCache, "attend",
                         lambda self, layer, q, k, v: broken(self, layer, q, k, v) * 0)
     with pytest.raises(RuntimeError, match="differs from the contiguous cache"):
         smollm2.paged_over_contiguous(model, PROMPTS[2], 20, rounds=1)
@@ -260,3 +265,87 @@ def test_the_plot_draws_each_part_of_a_step_at_its_length(tmp_path):
     smollm2.draw({"float32": decode["float32"]}, {"float32": {"minipaged.fast, engine": 180.0}},
                  step_parts, 2, 64, path)
     assert path.stat().st_size > 10_000
+
+
+# -- the speed layer's paged cache (moved here from test_paged_generation.py) -------------------
+
+def test_a_steps_stacked_tables_are_each_layers_own_under_random_steps():
+    """Every layer's manager keeps its table in its row of the cache's stacked tensor; the
+    tables a step reads at once are, layer by layer, what each manager's block_table_for says,
+    through reserves, growth across block boundaries and frees, with each layer's blocks its
+    own."""
+    rng = random.Random(0)
+    args = tiny_model().args
+    cache = FastPagedCache(args, num_blocks=40, block_size=4, max_seqs=5, max_seq_len=48)
+    live = {}
+    for _ in range(300):
+        if live and rng.random() < 0.15:
+            s = rng.choice(sorted(live))
+            cache.free(s)
+            del live[s]
+            continue
+        new = [s for s in range(5) if s not in live and rng.random() < 0.3]
+        ids = sorted(set(rng.sample(sorted(live), k=rng.randint(0, len(live))) + new)) \
+            if live or new else []
+        if not ids:
+            continue
+        n = rng.randint(1, 6)                   # new ones reserve n, running ones grow n
+        if any(live.get(s, 0) + n > 48 for s in ids):
+            continue
+        try:
+            cache.prepare(ids, n)
+        except OutOfBlocksError:
+            continue
+        for s in ids:
+            live[s] = live.get(s, 0) + n
+        for layer, m in enumerate(cache.managers):
+            assert torch.equal(cache.block_tables[layer], m.block_table_for(ids))
+            assert m.block_table.data_ptr() == cache.block_table[layer].data_ptr()
+            # lengths advanced for all layers at once (no block changing hands) or by each
+            # manager's grow: every layer holds the tokens counted here
+            assert m.seq_lens_for(ids).tolist() == [live[s] for s in ids]
+            assert m.num_blocks_held[ids].tolist() == [-(-live[s] // 4) for s in ids]
+        assert cache.plan.block_tables is cache.block_tables
+    assert len({tuple(m.block_table.flatten().tolist()) for m in cache.managers}) > 1
+
+
+def test_a_manager_refuses_a_block_table_of_the_wrong_shape_or_type():
+    for table in (torch.empty(3, 4, dtype=torch.int32), torch.empty(2, 5, dtype=torch.int32),
+                  torch.empty(2, 4, dtype=torch.int64)):
+        with pytest.raises(RequestError, match="block_table must be an int32 CPU tensor"):
+            share_bookkeeping(CacheManager(8, 4, 2, 8, 2, 4), table)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    m = share_bookkeeping(CacheManager(8, 4, 2, 8, 2, 4), table)
+    m.reserve(0, 5)
+    assert table[0, :2].tolist() == m.block_table_for([0])[0].tolist() and table[1, 0] == -1
+
+
+def test_the_backend_is_chosen_once_a_step_not_once_a_layer(monkeypatch):
+    """The speed layer's cache picks its backend (`fast_backend`) at a step's first layer; the
+    other layers reuse its answer."""
+    calls = []
+    real = fast_paged.fast_backend
+    monkeypatch.setattr(fast_paged, "fast_backend", lambda *a: calls.append(1) or real(*a))
+    model, prompts = tiny_model(n_layers=3), [[5, 9, 2, 77], [100, 3]]
+    out = generate_paged(model, prompts, 6, stop_tokens=[], max_seq_len=32, block_size=4,
+                         cache_class=FastPagedCache)
+    assert out == [greedy_reference(model, p, 6) for p in prompts]
+    assert len(calls) == 2 + 5           # two prefills, five decode steps; not times 3 layers
+
+
+@pytest.mark.parametrize("options", [
+    dict(), dict(prefix_caching=True, max_num_batched_tokens=8),
+    dict(num_blocks=12, block_size=4), dict(num_blocks=12, block_size=4, preemption="swap"),
+    dict(n=2, temperature=0.8, prefix_caching=True)], ids=repr)
+def test_the_speed_layers_engine_gives_the_engines_tokens(options):
+    """FastEngine (the engine on FastSharedPagedCache) against stage 6's Engine, under
+    preemption, swapping, prefix caching, a token budget and parallel sampling; greedy runs
+    also against the no-cache forward."""
+    model = tiny_model()
+    prompts = [list(range(1, 19)), list(range(1, 17)) + [40, 41], [5, 6]]
+    want = generate(model, prompts, 12, cache="paged", stop_tokens=[], **options)
+    got = generate(model, prompts, 12, cache="paged", stop_tokens=[], engine_class=FastEngine,
+                   **options)
+    assert got == want
+    if "temperature" not in options:
+        assert got == [greedy_reference(model, p, 12) for p in prompts]

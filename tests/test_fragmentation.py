@@ -273,7 +273,7 @@ def test_simulator_paged_preempts_the_newest_request():
 
 
 def test_the_simulator_admits_by_the_schedulers_watermark_rule():
-    """Stage 4's simulator and stage 5's scheduler ask one function, kv_budget.admits. A pool of
+    """Stage 4's simulator and stage 5's scheduler ask one function, simulator.admits. A pool of
     10 blocks of 4: A (a 16-token prompt, 4 blocks) runs; B's 24-token prompt needs the other 6.
     With the watermark (one block kept free) both hold B back until A has finished; without it
     both admit B at once, and both must preempt it at the next step, when A crosses a block."""

@@ -4,15 +4,21 @@ Parsed, never imported: every module's imports are read with `ast`.
 
   * Each module at the package root is a stage of the course (its docstring opens with
     "Stage N:"), or one of the few modules that are not: `__init__`, `api` (above every stage),
-    `errors` (below every stage) and `cli` (what every command line shares; no stage uses it).
-  * A stage's module imports only earlier stages, its own stage and `errors` — never a later
-    stage, never `api`, never a subpackage (formats, embedded, chat, viz, benchmarks).
+    `errors` (below every stage), `cli` (what every command line shares; no stage uses it), and
+    the support modules beside the stages (`checks`, `backends`, `sizing`: validation, backend
+    dispatch, pool sizing), whose docstrings open with "Support, not a stage (not needed on a
+    first read)".
+  * A stage's module imports only earlier stages, its own stage, `errors` and support modules
+    — never a later stage, never `api`, never a subpackage (formats, embedded, chat, viz,
+    benchmarks, fast).
+  * A support module imports `errors`, other support modules and only stages that come no
+    later than the first stage that uses it; never a subpackage.
   * No module imports the package inside a function: such an import hides a cycle or a
     layering mistake.
   * The modules import each other without a cycle.
   * Subpackages keep to their floor: formats reads checkpoints for the model and nothing above
-    it; viz draws the stages but knows no application; fast rearranges the stages' model for speed
-    and knows nothing above them; nothing but benchmarks imports
+    it; viz draws the stages but knows no application; fast rearranges the stages' model and
+    caches for speed and knows nothing above them (no stage imports it); nothing but benchmarks imports
     benchmarks.
 """
 
@@ -23,7 +29,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "minipaged"
-NOT_STAGES = {"__init__", "api", "errors", "cli"}
+SUPPORT = {"checks", "backends", "sizing"}
+NOT_STAGES = {"__init__", "api", "errors", "cli"} | SUPPORT
 STAGE = re.compile(r"Stage (\d+)(b?):")
 
 
@@ -98,12 +105,32 @@ def test_a_stage_imports_only_earlier_stages(name):
         assert "." not in short and target != "minipaged", \
             f"{name} (stage {mine}) imports {target}: a stage imports no subpackage"
         if short in NOT_STAGES:
-            assert short == "errors", f"{name} imports {target}, which sits above every stage"
+            assert short == "errors" or short in SUPPORT, \
+                f"{name} imports {target}, which sits above every stage"
             continue
         theirs = stage_of(target)
         assert theirs <= mine, \
             f"{name} (stage {''.join(map(str, mine))}) imports {target} of the later stage " \
             f"{''.join(map(str, theirs))}: later stages extend earlier ones, not the other way"
+
+
+@pytest.mark.parametrize("short", sorted(SUPPORT))
+def test_a_support_module_sits_beside_the_stages_it_serves(short):
+    name = f"minipaged.{short}"
+    doc = ast.get_docstring(ast.parse(MODULES[name].read_text())) or ""
+    assert doc.startswith("Support, not a stage (not needed on a first read)"), \
+        f"{name}'s docstring must open by saying it is support, not needed on a first read"
+    users = [stage_of(n) for n in ROOT_MODULES if name in imports(n) and stage_of(n)]
+    first_user = min(users, default=None)
+    for target in imports(name):
+        t = target.removeprefix("minipaged.")
+        assert "." not in t and target != "minipaged", f"{name} imports the subpackage {target}"
+        if t in NOT_STAGES:
+            assert t == "errors" or t in SUPPORT, f"{name} imports {target}, above the stages"
+            continue
+        assert first_user is not None and stage_of(target) <= first_user, \
+            f"{name} imports {target} (stage {stage_of(target)}), later than stage " \
+            f"{first_user}, the first stage that uses {name}"
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
@@ -139,9 +166,9 @@ def test_no_import_cycle():
 
 FLOORS = {   # subpackage -> what else in the package it may import (besides itself and errors)
     "formats": {"minipaged.model"},
-    "viz": {m for m in ROOT_MODULES},
+    "viz": {m for m in ROOT_MODULES} | {f"minipaged.{m}" for m in SUPPORT},
     "embedded": {"minipaged.model", "minipaged.formats", "minipaged.viz", "minipaged.cli"},
-    "fast": {m for m in ROOT_MODULES},
+    "fast": {m for m in ROOT_MODULES} | {f"minipaged.{m}" for m in SUPPORT},
 }
 
 

@@ -18,8 +18,9 @@ import random
 import pytest
 import torch
 
-from minipaged import cpu_attention
+from minipaged import backends, cpu_attention
 from minipaged import paged_attention as pa
+from minipaged.fast.paged import PagedStep, attend_step, fast_backend, plan_step
 from minipaged.paged_attention import flash_attn_with_kvcache
 
 BACKENDS = ["torch", "cpu", "triton"]
@@ -135,8 +136,8 @@ def test_paged_attention_matches_dense_reference(backend, block_size, seed):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_size,seed", [(b, s) for b in [1, 3, 16] for s in range(4)])
 def test_a_planned_step_matches_the_dense_reference_in_every_layer(block_size, seed, backend):
-    """A paged cache's step: `plan_step` once over every layer's table (each layer its own
-    scattered blocks), then `attend_step` per layer, as PagedCache.attend calls it."""
+    """The speed layer's step: `plan_step` once over every layer's table (each layer its own
+    scattered blocks), then `attend_step` per layer, as FastPagedCache.attend calls it."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     n_layers, B, Hk, group, D = 3, rng.randint(1, 3), 2, 2, 8
     T = rng.choice([1, 1, rng.randint(2, 5)])
@@ -147,7 +148,7 @@ def test_a_planned_step_matches_the_dense_reference_in_every_layer(block_size, s
     tables = torch.stack([torch.randperm(num_blocks, generator=gen, dtype=torch.int32)
                           [:B * max_blocks].view(B, max_blocks) for _ in range(n_layers)])
     cache_seqlens = torch.tensor(lengths, dtype=torch.int32)
-    step = pa.plan_step(tables, cache_seqlens, T, block_size)
+    step = plan_step(tables, cache_seqlens, T, block_size)
     for layer in range(n_layers):
         randn = lambda *shape: torch.randn(*shape, generator=gen)
         q, k, v = randn(B, T, Hk * group, D), randn(B, T, Hk, D), randn(B, T, Hk, D)
@@ -156,9 +157,9 @@ def test_a_planned_step_matches_the_dense_reference_in_every_layer(block_size, s
             q, k_cache.clone(), v_cache.clone(), k, v, lengths,
             paged_locate(tables[layer], block_size), causal=True)
         call = on_backend(dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache), backend)
-        step_there = pa.PagedStep(*(t.to(call["q"].device) for t in step))
-        name = pa.pick_backend(backend, call["q"], call["k_cache"], step_there.block_tables[layer])
-        out = pa.attend_step(call["q"], call["k"], call["v"], call["k_cache"], call["v_cache"],
+        step_there = PagedStep(*(t.to(call["q"].device) for t in step))
+        name = backends.pick_backend(backend, call["q"], call["k_cache"], step_there.block_tables[layer])
+        out = attend_step(call["q"], call["k"], call["v"], call["k_cache"], call["v_cache"],
                              step_there, layer, name).cpu()
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
         assert torch.equal(call["k_cache"].cpu(), k_after)
@@ -270,38 +271,56 @@ def test_bf16_cache_on_cpu(backend):
     torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)
 
 
-def test_a_cpu_runs_the_c_kernel_and_says_so(monkeypatch, caplog):
-    """"auto" on a CPU: the C kernel, logged once; flash_attn refused with its reason."""
-    monkeypatch.setattr(pa, "_announced", set())
+def test_auto_on_a_cpu_is_stage_3s_pytorch_path_and_the_c_kernel_only_when_asked(monkeypatch,
+                                                                                 caplog):
+    """"auto" on a CPU: stage 3's PyTorch path, logged once with flash_attn's reason; the C
+    kernel runs when asked for by name (or by the speed layer's "auto")."""
+    monkeypatch.setattr(backends, "_announced", set())
     case, _ = random_paged_case(5, 16)
     with caplog.at_level(logging.INFO, logger="minipaged.paged_attention"):
+        out = flash_attn_with_kvcache(**{**case, "k": None, "v": None})
         flash_attn_with_kvcache(**{**case, "k": None, "v": None})
-        flash_attn_with_kvcache(**{**case, "k": None, "v": None})
-    assert pa.last_backend == "cpu"
+    assert pa.last_backend == "torch"
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "cpu implementation" in lines[0], lines
+    assert len(lines) == 1 and "torch implementation" in lines[0], lines
+    assert torch.equal(out, flash_attn_with_kvcache(**{**case, "k": None, "v": None},
+                                                    backend="torch"))
+    flash_attn_with_kvcache(**{**case, "k": None, "v": None}, backend="cpu")
+    assert pa.last_backend == "cpu"
     if not torch.cuda.is_available():
         assert not pa.flash_attn_available()
     with pytest.raises(ValueError, match="not on a CUDA GPU|not installed"):
         flash_attn_with_kvcache(**case, backend="flash_attn")
 
 
+def test_the_speed_layers_auto_runs_the_c_kernel_and_says_so(monkeypatch, caplog):
+    """The speed layer's "auto" on a CPU: the C kernel, logged once; flash_attn refused with
+    its reason."""
+    monkeypatch.setattr(backends, "_announced", set())
+    case, _ = random_paged_case(5, 16)
+    with caplog.at_level(logging.INFO, logger="minipaged.paged_attention"):
+        assert fast_backend("auto", case["q"], case["k_cache"], case["block_table"]) == "cpu"
+        assert fast_backend("auto", case["q"], case["k_cache"], case["block_table"]) == "cpu"
+    assert pa.last_backend == "cpu"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "cpu implementation" in lines[0], lines
+    assert "not installed" in lines[0] or "CUDA" in lines[0]
+
+
 def test_without_a_compiler_auto_runs_pytorch_and_says_why(monkeypatch, caplog):
-    """No C compiler: "auto" falls back to the gather path and the log line says why;
-    backend="cpu" is refused with the same reason."""
-    monkeypatch.setattr(pa, "_announced", set())
+    """No C compiler: the speed layer's "auto" falls back to the gather path and the log line
+    says why; backend="cpu" is refused with the same reason."""
+    monkeypatch.setattr(backends, "_announced", set())
     monkeypatch.setattr(cpu_attention, "compiler", lambda: None)
     cpu_attention.build.cache_clear()
     case, _ = random_paged_case(5, 16)
     try:
         with caplog.at_level(logging.INFO, logger="minipaged.paged_attention"):
-            out = flash_attn_with_kvcache(**{**case, "k": None, "v": None})
-        assert pa.last_backend == "torch"
+            name = fast_backend("auto", case["q"], case["k_cache"], case["block_table"])
+        assert name == "torch" and pa.last_backend == "torch"
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == 1 and "torch implementation" in lines[0] \
             and "no C compiler was found" in lines[0], lines
-        assert torch.equal(out, flash_attn_with_kvcache(**{**case, "k": None, "v": None},
-                                                        backend="torch"))
         with pytest.raises(ValueError, match="backend='cpu' cannot serve this call: no C comp"):
             flash_attn_with_kvcache(**case, backend="cpu")
     finally:
@@ -331,6 +350,8 @@ BAD_CALLS = [
     ("row past its table", dict(cache_seqlens=torch.tensor([3, 8], dtype=torch.int32)), "addresses only"),
     ("block id past the pool", dict(block_table=torch.tensor([[0, 1], [2, 9]], dtype=torch.int32)), "points outside"),
     ("negative length", dict(cache_seqlens=torch.tensor([-2, 1], dtype=torch.int32)), ">= 0"),
+    ("NaN softmax_scale", dict(softmax_scale=float("nan")), "softmax_scale must be a finite"),
+    ("infinite softmax_scale", dict(softmax_scale=float("inf")), "softmax_scale must be a finite"),
     ("paged + cache_batch_idx", dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32)), "cannot be combined"),
     ("unknown backend", dict(backend="xformers"), "'auto', 'flash_attn', 'torch', 'cpu', 'triton'"),
 ]

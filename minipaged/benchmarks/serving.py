@@ -39,7 +39,8 @@ from ..engine import Engine
 from ..errors import OutOfBlocksError
 from ..formats import load_model
 from ..generation import generate_static
-from ..kv_cache import ContiguousCache, check_memory, kv_bytes_per_token
+from ..checks import check_memory
+from ..kv_cache import ContiguousCache, kv_bytes_per_token
 from ..model import Llama
 from ..workloads import SHAREGPT, synthetic
 

@@ -8,7 +8,9 @@ The engines, each run in turns with the others (best of --repeats), so a busy ma
 them alike:
 
   * minipaged, the course's `Llama` (stage 1's model) on stage 1's contiguous cache, on stage
-    3's paged cache (`generate_paged`) and through the engine (`generate(cache="paged")`);
+    3's paged cache (`generate_paged`) and through the engine (`generate(cache="paged")`), the
+    paged ones on the speed layer's cache (`minipaged.fast.FastPagedCache`, `FastEngine`: a
+    step planned once for all layers, stage 3b's C kernel for decode);
   * minipaged.fast: the same weights fused and laid out for a CPU (`FusedLlama`), its batch-1
     decode step compiled (`compile_decode`; the compile time is reported, not counted);
   * transformers: `generate` at batch 1, `generate_batch` (continuous batching) for many;
@@ -53,11 +55,11 @@ from rich.table import Table
 
 from .. import cli, paged_attention
 from ..api import generate
-from ..fast import FusedLlama, compile_decode
+from ..fast import FastEngine, FastPagedCache, FusedLlama, compile_decode
 from ..formats import chat_format, load_model, load_tokenizer, packaged_model_path
 from ..formats.atomic import write_file
 from ..kv_cache import ContiguousCache
-from ..paged_cache import PagedCache, generate_paged
+from ..paged_cache import generate_paged
 from . import decode_step
 
 try:
@@ -106,17 +108,18 @@ def ours_decode(model, prompt, n, how):
     options = dict(stop_tokens=[], max_seq_len=len(prompt) + n,
                    callback=lambda *a: stamps.append(time.perf_counter()))
     if how == "paged":
-        generate_paged(model, [prompt], n, **options)
+        generate_paged(model, [prompt], n, cache_class=FastPagedCache, **options)
+    elif how == "contiguous":
+        generate(model, [prompt], n, cache="contiguous", **options)
     else:
-        generate(model, [prompt], n, cache="contiguous" if how == "contiguous" else "paged",
-                 **options)
+        generate(model, [prompt], n, cache="paged", engine_class=FastEngine, **options)
     return decode_rate(stamps)
 
 
 def ours_serve(model, prompts, n, budget):
     """The engine with stage 5b's token budget, so short prompts are prefilled together."""
     start = time.perf_counter()
-    out = generate(model, prompts, n, cache="paged", stop_tokens=[],
+    out = generate(model, prompts, n, cache="paged", stop_tokens=[], engine_class=FastEngine,
                    max_seq_len=max(map(len, prompts)) + n, max_num_batched_tokens=budget)
     return sum(map(len, out)) / (time.perf_counter() - start)
 
@@ -137,8 +140,8 @@ def paged_over_contiguous(model, prompt, n, rounds: int = STEP_ROUNDS):
     for _ in range(rounds):
         caches = {"contiguous": ContiguousCache(model.args, 1, total, device=p.device,
                                                 dtype=p.dtype),
-                  "paged": PagedCache(model.args, -(-total // 16), 16, 1, total,
-                                      device=p.device, dtype=p.dtype)}
+                  "paged": FastPagedCache(model.args, -(-total // 16), 16, 1, total,
+                                          device=p.device, dtype=p.dtype)}
         tokens = {}
         for name, cache in caches.items():
             cache.prepare([0], len(prompt))

@@ -33,7 +33,8 @@ from .. import cli
 from ..errors import MiniPagedError, OutOfBlocksError
 from ..formats import load_model, load_tokenizer
 from ..fragmentation import measure_contiguous, measure_paged
-from ..kv_budget import bytes_per_block, pool_blocks
+from ..kv_budget import bytes_per_block
+from ..sizing import pool_blocks
 from ..kv_cache import ContiguousCache
 from ..sharing import SharedPagedCache
 from ..viz.terminal import blocks_view, stats_table, status_line

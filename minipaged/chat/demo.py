@@ -16,7 +16,7 @@ from rich.markup import escape
 
 from ..api import Engine
 from ..formats import chat_format, load_model, load_tokenizer
-from ..kv_budget import pool_blocks
+from ..sizing import pool_blocks
 from ..viz.pool import seq_color
 from ..viz.terminal import pool_grid, stats_table
 from .conversation import format_pieces

@@ -5,11 +5,17 @@
                     drop-in for a `Llama`
     compiled.py     compile_decode: its decode step compiled into one graph (torch.compile with
                     freezing), attention left to the cache; optional, eager when it cannot
+    paged.py        FastPagedCache, FastEngine: stage 3's paged cache with a step's bookkeeping
+                    planned once for all layers, and stage 3b's C kernel for decode on a CPU
 
-Nothing in the stages imports this package; `python -m minipaged.benchmarks.smollm2` measures it.
+Nothing in the stages imports this package: it runs only when asked for, e.g.
+`generate(fast, prompts, n, cache="paged", engine_class=FastEngine)`.
+`python -m minipaged.benchmarks.smollm2` measures it.
 """
 
 from .compiled import compile_decode
 from .fused_llama import FusedLlama
+from .paged import FastEngine, FastPagedCache, FastSharedPagedCache, fast_backend
 
-__all__ = ["FusedLlama", "compile_decode"]
+__all__ = ["FastEngine", "FastPagedCache", "FastSharedPagedCache", "FusedLlama", "compile_decode",
+           "fast_backend"]

@@ -1,0 +1,222 @@
+"""Speed, not a stage: stage 3's paged cache with the bookkeeping of a step done once for all
+layers, and stage 3b's C kernel for decode steps on a CPU.
+
+Stage 3's `PagedCache.attend` calls `flash_attn_with_kvcache` per layer, which checks its
+inputs, picks a backend, cuts the block table and works out the slot mapping — the same work in
+every layer but for the block ids. `FastPagedCache` does it once per step for all layers:
+
+  * every layer's block table and lengths live in one stacked tensor (`share_bookkeeping`), so
+    a step reads all tables with one indexing and, when no block changes hands (most decode
+    steps), advances all lengths with one addition;
+  * `plan_step` works out, for all layers at once with numpy, each layer's owned table and where
+    each new token goes (a `PagedStep`); `attend_step` writes and attends on it;
+  * "auto" is flash-attn's kernel where it can serve the call, else stage 3b's C kernel
+    (`cpu_attention.py`) where it builds, else PyTorch, chosen once a step (`fast_backend`);
+  * PyTorch decode steps whose rows differ in length attend row by row (`attend_rows`), reading
+    only the blocks each row owns.
+
+`FastSharedPagedCache` is the same over stage 6's shared blocks, and `FastEngine` is the engine
+(`minipaged.Engine`) on it: `generate(model, prompts, n, cache="paged",
+engine_class=FastEngine)`, or `generate_paged(..., cache_class=FastPagedCache)` for stage 3's
+static batch. The results are stage 3's, up to the order of the sums.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ..backends import BACKENDS, flash_attn, pick_backend, why_not_flash
+from ..cache_manager import PAD_BLOCK
+from ..checks import check_count, check_step_ids, check_step_room
+from ..cpu_attention import why_not_cpu
+from ..errors import RequestError
+from ..kv_cache import attend_rows, upcast
+from ..paged_cache import PagedCache
+from ..sharing import SharedPagedCache
+from ..sharing_engine import SharingEngine
+
+
+class PagedStep(NamedTuple):
+    """One step of a paged cache, as every layer's attention reads it. The bookkeeping that
+    `flash_attn_with_kvcache` does on each call (`owned_block_table`, the slot mapping of
+    `write_new_kv`) is the same for every layer but for the block ids, so a cache does it once
+    per step, on all its layers' block tables stacked into one tensor (`plan_step`)."""
+    cache_seqlens: torch.Tensor   # (B,) int32: tokens each row stored before the step
+    seqlens_k: torch.Tensor       # (B,) int64: keys each row attends to, the new ones included
+    block_tables: torch.Tensor    # (n_layers, B, W) int32: each layer's tables, as kept
+    tables: torch.Tensor          # (n_layers, B, n) int64: the blocks each row owns, else 0
+    positions: torch.Tensor       # (B, T) int64: the new tokens' places in their sequences
+    blocks: torch.Tensor          # (n_layers, B, T) int64: the block each new token goes to
+    offsets: torch.Tensor         # (B, T) int64: its offset in that block (the same in all layers)
+
+
+def plan_step(block_tables, cache_seqlens, num_new_tokens: int, block_size: int,
+              device="cpu") -> PagedStep:
+    """`owned_block_table` and the slot mapping of `write_new_kv` for every layer in one go:
+    block_tables (n_layers, B, W) int32 and cache_seqlens (B,) int32, both on the CPU, each row
+    adding `num_new_tokens` tokens; the step's tensors are put on `device` (default: the CPU).
+    Layer l's table is owned_block_table's for that layer, and new token t of row b goes to
+    block blocks[l, b, t] at offset offsets[b, t].
+
+    The arithmetic is numpy's, on the CPU, as vLLM's model runner prepares a step: it is a
+    dozen operations on arrays of a few dozen numbers, where each torch call would cost more
+    than its work.
+    """
+    B = block_tables.shape[1]
+    before = cache_seqlens.numpy().astype(np.int64)                          # (B,)
+    seqlens_k = before + num_new_tokens                                       # (B,)
+    n = -(-int(seqlens_k.max()) // block_size)          # blocks the longest row needs
+    owned = np.arange(n) * block_size < seqlens_k[:, None]                    # (B, n)
+    tables = np.where(owned, block_tables.numpy()[:, :, :n], 0).astype(np.int64)  # (layers, B, n)
+    # write_new_kv's slot mapping, split into block and offset at once
+    positions = before[:, None] + np.arange(num_new_tokens)                   # (B, T)
+    blocks = tables[:, np.arange(B)[:, None], positions // block_size]        # (layers, B, T)
+    return PagedStep(cache_seqlens.to(device), *(torch.from_numpy(a).to(device) for a in (
+        seqlens_k, block_tables.numpy(), tables, positions, blocks, positions % block_size)))
+
+
+def attend_step(q, k, v, k_cache, v_cache, step: PagedStep, layer: int, name: str):
+    """`flash_attn_with_kvcache(q, k_cache, v_cache, k, v, causal=True)` for layer `layer` of a
+    step that `plan_step` planned, on the implementation `name` that `pick_backend` chose for
+    the step: write the new k/v into their slots, then attend. The cache that built `step` is
+    trusted: nothing is checked again here."""
+    if name == "flash_attn":          # flash-attn's kernel writes k/v itself
+        return flash_attn.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k=k, v=v, cache_seqlens=step.cache_seqlens,
+            block_table=step.block_tables[layer], causal=True)
+    blocks = step.blocks[layer]                                               # (B, T)
+    k_cache[blocks, step.offsets] = k                 # in place, (B, T, Hk, D) slots
+    v_cache[blocks, step.offsets] = v
+    table = step.tables[layer]
+    if name == "torch" and q.shape[1] == 1:
+        lens = step.seqlens_k.tolist()
+        if min(lens) < max(lens):
+            return _gather_rows_and_attend(q, k_cache, v_cache, table, lens, None)
+    return BACKENDS[name].attend(q, k_cache, v_cache, table, step.seqlens_k, True, None, 0)
+
+
+def _gather_rows_and_attend(q, k_cache, v_cache, table, lens, softmax_scale):
+    """A decode step whose rows differ in length. Each row attends alone (`attend_rows`), so
+    the rows need not be padded to the longest: only the blocks they own are gathered, one
+    row's after the other (in a batch of 16 chat requests with one long prompt, less than
+    half the blocks a padded gather copies)."""
+    block_size, D = k_cache.shape[1], k_cache.shape[3]
+    # The same for every layer, and a handful of numbers: Python and numpy, not torch calls.
+    counts = [-(-n // block_size) for n in lens]                               # blocks per row
+    held = np.arange(max(counts)) < np.array(counts)[:, None]                  # (B, n)
+    owned = table[:, :held.shape[1]][torch.from_numpy(held).to(table.device)]  # row after row
+    k_all = k_cache.index_select(0, owned).flatten(0, 1)   # (sum of counts * block_size, Hk, D)
+    v_all = v_cache.index_select(0, owned).flatten(0, 1)
+    starts = itertools.accumulate((c * block_size for c in counts), initial=0)  # first slots
+    rows = [slice(s, s + length) for s, length in zip(starts, lens)]
+    scale = softmax_scale if softmax_scale is not None else D ** -0.5
+    q_, k_all, v_all = upcast(q, k_all, v_all)           # bf16 -> float32 once, not per row
+    y = attend_rows(q_.transpose(1, 2), [k_all[r].transpose(0, 1) for r in rows],
+                    [v_all[r].transpose(0, 1) for r in rows], scale)        # (B, Hq, 1, D)
+    return y.transpose(1, 2).to(q.dtype)
+
+
+def fast_backend(backend: str, q, k_cache, block_table) -> str:
+    """The speed layer's "auto": flash-attn's kernel where it can serve the call, else stage
+    3b's C kernel where it builds (on a CPU), else "torch"; the log line says why. Any other
+    name is `pick_backend`'s."""
+    why = why_not_flash(q, k_cache, block_table) if backend == "auto" else None
+    if not why:
+        return pick_backend(backend, q, k_cache, block_table)
+    refusal = why_not_cpu(q, k_cache)
+    return pick_backend("torch" if refusal else "cpu", q, k_cache, block_table,
+                        why_auto_not="; ".join(filter(None, [why, refusal])))
+
+
+def share_bookkeeping(m, block_table: torch.Tensor, seq_lens: torch.Tensor | None = None):
+    """Make CacheManager `m` keep its block table (and lengths) in the caller's int32 CPU
+    tensors, e.g. one layer's slice of a stacked tensor; returns `m`. Its current contents are
+    copied over."""
+    for name, t, shape in (("block_table", block_table, tuple(m.block_table.shape)),
+                           ("seq_lens", seq_lens, tuple(m.seq_lens.shape))):
+        if t is None:
+            continue
+        if tuple(t.shape) != shape or t.dtype != torch.int32 or t.device.type != "cpu":
+            raise RequestError(f"{name} must be an int32 CPU tensor of shape {shape}")
+        t.copy_(getattr(m, name))
+        setattr(m, name, t)
+    m._table, m._lens = m.block_table.numpy(), m.seq_lens.numpy()
+    return m
+
+
+class FastSteps:
+    """What the speed layer adds to a paged cache (mixed into stage 3's and stage 6's)."""
+
+    STEP = PagedCache.STEP + ("plan", "_implementation")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        first = self.managers[0]
+        layers = len(self.managers)
+        # Every layer's block table and lengths, stacked: layer i's manager keeps its own in
+        # row i, so a step reads the tables of all layers with one indexing (`set_step`), and
+        # advances all their lengths with one addition (`prepare`).
+        self.block_table = torch.full((layers, first.max_seqs, first.max_blocks_per_seq),
+                                      PAD_BLOCK, dtype=torch.int32)
+        self.seq_lens = torch.zeros((layers, first.max_seqs), dtype=torch.int32)
+        for layer, m in enumerate(self.managers):
+            share_bookkeeping(m, self.block_table[layer], self.seq_lens[layer])
+        self._tables, self._lens = self.block_table.numpy(), self.seq_lens.numpy()  # same memory
+        self.plan = None                  # the PagedStep every layer's attend reads
+        self._implementation = None       # the backend serving this step, once chosen
+
+    def prepare(self, seq_ids, num_new_tokens: int) -> None:
+        """Stage 3's prepare; when no block changes hands in any layer (most decode steps), the
+        lengths of all layers advance at once instead."""
+        ids, n, first = check_step_ids(self, seq_ids), check_count(num_new_tokens), \
+            self.managers[0]
+        if not all(s in first for s in ids) or first.blocks_needed(ids, n):
+            return super().prepare(ids, n)
+        check_step_room(self, 0, int(self._lens[0, ids].max()) + n)
+        self._lens[:, ids] += n
+        self.set_step(ids, n)
+
+    def set_step(self, seq_ids, num_new_tokens: int) -> None:
+        """What every layer's `attend` reads this step, planned once for all layers."""
+        device = self.managers[0].device
+        lens = self._lens[0, seq_ids]                                                # (B,)
+        width = max(1, -(-int(lens.max()) // self.block_size))   # blocks the longest row holds
+        self.plan = plan_step(torch.from_numpy(self._tables[:, seq_ids, :width]),
+                              torch.from_numpy(lens - num_new_tokens), num_new_tokens,
+                              self.block_size, device)
+        self.cache_seqlens, self.positions = self.plan.cache_seqlens, self.plan.positions
+        self.block_tables = self.plan.block_tables
+        self._implementation = None
+
+    def attend(self, layer: int, q, k, v):
+        """Stage 3's attend, on the step `set_step` planned."""
+        m = self.managers[layer]
+        return attend_step(q, k, v, m.k_cache_paged, m.v_cache_paged, self.plan, layer,
+                           self.implementation(q, layer))
+
+    def implementation(self, q, layer: int) -> str:
+        """The implementation serving this step (`fast_backend`): chosen at the step's first
+        attend, the same for every layer after it."""
+        if self._implementation is None:
+            self._implementation = fast_backend(self.backend, q, self.managers[layer].k_cache_paged,
+                                                self.plan.block_tables[layer])
+        return self._implementation
+
+
+class FastPagedCache(FastSteps, PagedCache):
+    """Stage 3's PagedCache on the speed layer."""
+
+
+class FastSharedPagedCache(FastSteps, SharedPagedCache):
+    """Stage 6's SharedPagedCache on the speed layer."""
+
+
+class FastEngine(SharingEngine):
+    """`minipaged.Engine` on the speed layer's cache."""
+
+    def new_cache(self, *args, **kwargs) -> FastSharedPagedCache:
+        return FastSharedPagedCache(*args, prefix_caching=self.prefix_caching, **kwargs)

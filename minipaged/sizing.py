@@ -1,0 +1,55 @@
+"""Support, not a stage (not needed on a first read): sizing a model's pools in one call.
+
+`pool_blocks` is what the engines, the chat and the static generation of stage 3 call; the
+arithmetic is stage 2's (`kv_budget.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache_manager import CacheManager
+from .errors import RequestError
+from .kv_budget import num_blocks_for_budget
+
+
+def pool_blocks(args, dtype, block_size: int, num_blocks: int | None = None,
+                kv_budget: int | None = None, lengths=()) -> int:
+    """Blocks per layer for a model (`ModelArgs`): `num_blocks` if given, else as many as
+    `kv_budget` bytes hold, else exactly enough for sequences of `lengths` tokens all at once."""
+    if not isinstance(block_size, int) or block_size < 1:
+        raise RequestError(f"block_size must be a positive integer, not {block_size!r}")
+    if num_blocks is None and kv_budget is not None:
+        num_blocks = num_blocks_for_budget(kv_budget, block_size, args.n_kv_heads, args.head_dim,
+                                           dtype, args.n_layers)
+    if num_blocks is None:
+        num_blocks = sum(-(-n // block_size) for n in lengths)
+    if not isinstance(num_blocks, int) or num_blocks < 1:
+        raise RequestError(f"a pool needs a positive number of blocks (num_blocks, or a kv_budget "
+                           f"in bytes), not {num_blocks!r}")
+    return num_blocks
+
+
+def kv_budget_from_free_memory(fraction: float = 0.9, device="cuda") -> int:
+    """`fraction` of the memory free now on a CUDA device, in bytes; call after loading weights."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise RequestError(f"free memory can only be read on a CUDA device, not {device}; "
+                           f"give the KV budget in bytes instead")
+    free_bytes, _total = torch.cuda.mem_get_info(device)
+    return int(free_bytes * fraction)
+
+
+def make_cache_managers(args, budget_bytes: int, block_size: int, max_seqs: int,
+                        device="cpu", dtype=torch.float32, seed: int = 0) -> list[CacheManager]:
+    """One CacheManager per layer of a model (`ModelArgs`), pools sized from a KV memory budget.
+
+    Layer i draws its free blocks with seed `seed + i`, so the same logical block of a sequence
+    lands on different physical blocks in different layers.
+    """
+    num_blocks = num_blocks_for_budget(budget_bytes, block_size, args.n_kv_heads, args.head_dim,
+                                       dtype, args.n_layers)
+    max_blocks_per_seq = min(num_blocks, -(-args.max_seq_len // block_size))
+    return [CacheManager(num_blocks, block_size, args.n_kv_heads, args.head_dim, max_seqs,
+                         max_blocks_per_seq, device=device, dtype=dtype, seed=seed + i)
+            for i in range(args.n_layers)]
