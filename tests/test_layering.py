@@ -12,7 +12,8 @@ Parsed, never imported: every module's imports are read with `ast`.
   * The modules import each other without a cycle.
   * Subpackages keep to their floor: formats reads checkpoints for the model and nothing above
     it; viz draws the stages but knows no application; fast rearranges the stages' model for speed
-    and knows nothing above them; nothing but benchmarks imports
+    and knows nothing above them; exercises (the course's tasks and grader) may import every
+    stage and drawing, and nothing imports it; nothing but benchmarks imports
     benchmarks.
 """
 
@@ -142,6 +143,8 @@ FLOORS = {   # subpackage -> what else in the package it may import (besides its
     "viz": {m for m in ROOT_MODULES},
     "embedded": {"minipaged.model", "minipaged.formats", "minipaged.viz", "minipaged.cli"},
     "fast": {m for m in ROOT_MODULES},
+    # the course's tasks and grader: every stage and drawing, never a benchmark
+    "exercises": {"minipaged"} | {m for m in MODULES if not m.startswith("minipaged.benchmarks")},
 }
 
 
@@ -164,3 +167,11 @@ def test_cli_sits_beside_errors():
     """The command lines' shared conventions import nothing of the package but its errors, so
     every program (chat, embedded, benchmarks) can use them without reaching across."""
     assert imports("minipaged.cli") <= {"minipaged.errors"}
+
+
+def test_nothing_imports_the_exercises():
+    """The grader stands a learner's function in for the package's; no stage may depend on it."""
+    for name in MODULES:
+        if not name.startswith("minipaged.exercises"):
+            assert not any(t.startswith("minipaged.exercises") for t in imports(name, False)), \
+                f"{name} imports the exercises: the course's grader sits above everything"

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from .grader import load_workspace_file, run_check, stand_in
+from .mutants import score
+from .stubs import start
 from .tasks import STAGES, TASKS, select
 
 
@@ -26,7 +28,6 @@ def cmd_list() -> int:
 
 
 def cmd_start(directory: str) -> int:
-    from .stubs import start
     path = Path(directory)
     if path.exists() and not path.is_dir():
         return error(f"{path} is a file; give a folder for the workspace")
@@ -97,7 +98,6 @@ def cmd_check(what: str, workspace: str, reference: bool) -> int:
 
 
 def cmd_mutants(what: str, limit: int | None) -> int:
-    from .mutants import score
     tasks = _targets(what)
     if tasks is None:
         return error(f"no task or stage {what!r}")

@@ -21,14 +21,16 @@ from .. import fragmentation, generate, prefix_cache
 from ..beams import BeamSearch
 from ..cache_manager import PAD_BLOCK, CacheManager, FreeBlockSet
 from ..chunked_engine import ChunkedEngine
+from ..chunked_prefill import ChunkedScheduler, ChunkedStep
 from ..engine import Engine
+from ..scheduler import Request
 from ..errors import OutOfBlocksError, RequestError
 from ..generation import generate_static
 from ..kv_cache import ContiguousCache
 from ..model import Llama, ModelArgs
 from ..online_softmax import paged_attention_v1, paged_attention_v2
 from ..paged_attention import flash_attn_with_kvcache
-from ..paged_cache import PagedCache
+from ..paged_cache import PagedCache, generate_paged
 from ..prefix_cache import block_hash
 from ..sharing import SharedCacheManager
 from .grader import expect
@@ -311,7 +313,6 @@ def _allocator_invariants(cm, lens, blocks, block_size, when):
 def paged_cache_tokens():
     """Stage 3's paged cache on your allocator gives the contiguous cache's greedy tokens
     (prompts of 3, 9, 14; blocks of 4, so blocks are taken mid-generation)."""
-    from ..paged_cache import generate_paged
     lengths, n = (3, 9, 14), 6
     got = generate_paged(tiny_model(), prompts_of(lengths), n, block_size=4, backend="torch",
                          stop_tokens=[])
@@ -571,22 +572,27 @@ def workloads(draw, budgets=(None,)):
     most = max(-(-(PROMPT_LENGTHS[i] + m - 1) // block_size) for i, m, _ in reqs)
     num_blocks = draw(st.integers(most, most + 4))
     preemption = draw(st.sampled_from(["recompute", "swap"]))
-    return block_size, reqs, num_blocks, preemption, draw(st.sampled_from(budgets))
+    max_num_seqs = draw(st.sampled_from([8, 8, 1, 2, 3]))
+    return block_size, reqs, num_blocks, preemption, draw(st.sampled_from(budgets)), max_num_seqs
 
 
-def _serve_and_watch(block_size, reqs, num_blocks, preemption, budget, step_check):
+def _serve_and_watch(block_size, reqs, num_blocks, preemption, budget, max_num_seqs, step_check):
     """Run the engine on a workload, calling step_check(scheduler, before, out) on every
     schedule; then check every request's tokens against the contiguous cache's."""
     model, prompts = tiny_model(), prompts_of(PROMPT_LENGTHS, seed=5)
     options = dict(max_num_batched_tokens=budget) if budget else {}
     cls = ChunkedEngine if budget else Engine
-    engine = cls(model, num_blocks, block_size, preemption, watermark=0.2, **options)
+    engine = cls(model, num_blocks, block_size, preemption, watermark=0.2,
+                 max_num_seqs=max_num_seqs, **options)
     sched = engine.scheduler
     plain = type(sched).schedule
 
     def watched():
+        held = engine.cache.managers[0].num_blocks_held
         before = (list(sched.running), list(sched.waiting), list(sched.swapped),
-                  {id(r): engine.cache.blocks_to_grow(r.seq_id) for r in sched.running})
+                  {id(r): engine.cache.blocks_to_grow(r.seq_id) for r in sched.running},
+                  {id(r): int(held[r.seq_id]) for r in sched.running},
+                  engine.cache.num_free_blocks)
         out = plain(sched)
         step_check(engine, before, out)
         return out
@@ -594,7 +600,7 @@ def _serve_and_watch(block_size, reqs, num_blocks, preemption, budget, step_chec
     sched.schedule = watched
     made = [engine.add_request(prompts[i], m, stop_tokens=[], arrival_step=a) for i, m, a in reqs]
     what = (f"a pool of {num_blocks} blocks of {block_size}, preemption={preemption!r}, "
-            f"requests (prompt length, max_new_tokens, arrival step) "
+            f"max_num_seqs={max_num_seqs}, requests (prompt length, max_new_tokens, arrival step) "
             f"{[(PROMPT_LENGTHS[i], m, a) for i, m, a in reqs]}"
             + (f", max_num_batched_tokens={budget}" if budget else ""))
     while engine.has_unfinished():
@@ -611,8 +617,9 @@ def _serve_and_watch(block_size, reqs, num_blocks, preemption, budget, step_chec
 
 
 def _fcfs_and_preempt_newest(engine, before, out):
-    running, waiting, swapped, grow = before
+    running, waiting, swapped, grow, held, free_before = before
     victims = [r for r, _ in out.preempted]
+    sched = engine.scheduler
     what = (f"step {engine.step_count} (running {[r.req_id for r in running]}, waiting "
             f"{[r.req_id for r in waiting]}, {engine.cache.num_free_blocks} free blocks)")
     expect(victims == running[::-1][:len(victims)],
@@ -622,16 +629,33 @@ def _fcfs_and_preempt_newest(engine, before, out):
     expect(kept == running[:len(running) - len(victims)],
            f"{what}: decoded {[r.req_id for r in kept]}; every running request not preempted "
            f"must decode, oldest first")
+    expect(len(sched.running) <= sched.max_num_seqs,
+           f"{what}: {len(sched.running)} requests run, more than max_num_seqs="
+           f"{sched.max_num_seqs}")
+    decode_need = sum(grow[id(r)] for r in kept)
     if victims:
         expect(not out.prefill and not out.swapped_in,
                f"{what}: a step that preempts must admit nobody, yet it admitted "
                f"{[r.req_id for r in out.prefill + out.swapped_in]}")
+        last = victims[-1]
+        freed_before_last = sum(held[id(v)] for v in victims[:-1])
+        expect(decode_need + grow[id(last)] > free_before + freed_before_last,
+               f"{what}: preempted {[r.req_id for r in victims]}, but without the last of them "
+               f"the decodes' {decode_need + grow[id(last)]} new block(s) fit in the "
+               f"{free_before + freed_before_last} free: preempt only when the pool is dry")
         return
+    if not out.swapped_in:
+        promised = decode_need + sum(sched.blocks_for(r.num_tokens) for r in out.prefill)
+        alone = not kept and len(out.prefill) == 1
+        expect(promised + (0 if alone or not out.prefill else sched.watermark_blocks)
+               <= free_before,
+               f"{what}: this step promises {promised} blocks (decodes and admitted prompts) "
+               f"with {free_before} free and a watermark of {sched.watermark_blocks}: admit only "
+               f"what fits with the watermark to spare (unless it runs alone)")
     expect(out.prefill == [r for r in waiting if r in out.prefill][:len(out.prefill)] and
            out.prefill == waiting[:len(out.prefill)],
            f"{what}: admitted {[r.req_id for r in out.prefill]}; admission is first come, "
            f"first served from the front of waiting")
-    sched = engine.scheduler
     if out.swapped_in or sched.swapped or not sched.waiting or getattr(out, "num_tokens", None):
         return
     head = sched.waiting[0]
@@ -641,7 +665,8 @@ def _fcfs_and_preempt_newest(engine, before, out):
     free = engine.cache.num_free_blocks - committed
     alone = not sched.running
     fits = need <= free if alone else need + sched.watermark_blocks <= free
-    expect(not (fits and sched.free_rows), f"{what}: request {head.req_id} needs {need} blocks, "
+    rows = min(len(sched.free_rows), sched.max_num_seqs - len(sched.running))
+    expect(not (fits and rows >= 1), f"{what}: request {head.req_id} needs {need} blocks, "
            f"{free} are free after this step's promises (watermark {sched.watermark_blocks}), "
            f"and it still waits: admit while the next request fits")
 
@@ -677,6 +702,32 @@ def chunked_engine_keeps_the_budget(work):
     _serve_and_watch(*work, _within_budget)
 
 
+@prop(80)
+@given(st.sampled_from([1, 2, 4]), st.integers(0, 9), st.integers(1, 12), st.integers(0, 8),
+       st.integers(0, 3), st.booleans())
+def admissible_is_the_largest_chunk_that_fits(block_size, held, want, promised, watermark,
+                                              running):
+    """`_admissible(held, want, out)` is the largest n <= want (0 if none) whose blocks,
+    blocks_for(held + n), fit in the free blocks not yet promised with the watermark to spare
+    (all of them when nothing runs): counted here by trying every n."""
+    args = ModelArgs(dim=4, n_layers=1, n_heads=1, vocab_size=8, max_seq_len=64)
+    cache = PagedCache(args, 8, block_size, 2, 64)
+    sched = ChunkedScheduler(cache, max_num_batched_tokens=16)
+    sched.watermark_blocks = watermark
+    other = Request(99, [1], 1)
+    sched.running = [other] if running else []
+    out = ChunkedStep(new_blocks={other: min(promised, 8)})
+    free = 8 - min(promised, 8)
+    blocks = lambda n: -(-n // block_size)                                 # noqa: E731
+    fits = lambda n: blocks(held + n) <= (free if not running else free - watermark)  # noqa: E731
+    want_n = max([n for n in range(want + 1) if n == 0 or fits(n)])
+    got = sched._admissible(held, want, out)
+    expect(got == want_n, f"_admissible(held={held}, want={want}) with {free} free blocks of "
+                          f"{block_size}, watermark {watermark}, "
+                          f"{'a request running' if running else 'nothing running'}: gave "
+                          f"{got}, the largest chunk that fits is {want_n}")
+
+
 def chunks_fill_the_budget():
     """A lone 9-token prompt (and then a 7-token one beside a decoding request) in a roomy pool
     is prefilled in chunks as large as the budget allows: budget 4 gives 4, 4, 1."""
@@ -701,6 +752,12 @@ SHARE_OPS = st.lists(st.tuples(st.sampled_from(["reserve", "fork", "fork", "grow
 
 
 @prop(40)
+@example(2, 8, 0, [("reserve", 0, 0, 3), ("fork", 0, 1, 4)])      # both write a shared block
+@example(2, 8, 0, [("reserve", 0, 0, 3), ("fork", 0, 1, 3)])      # both write nothing
+@example(2, 8, 0, [("reserve", 0, 0, 1), ("fork", 0, 1, 0), ("grow", 1, 1, 1)])
+@example(2, 8, 0, [("reserve", 0, 0, 4), ("fork", 0, 1, 5)])      # a full shared last block
+@example(3, 12, 1, [("reserve", 0, 0, 4), ("fork", 0, 1, 0), ("fork", 0, 2, 0),
+                    ("grow", 1, 2, 2), ("grow", 0, 0, 1)])
 @given(st.sampled_from([1, 2, 3]), st.integers(4, 14), st.integers(0, 99), SHARE_OPS)
 def sharing_keeps_counts_and_isolation(block_size, num_blocks, seed, ops):
     """A SharedCacheManager under random reserve/fork/grow/free calls, where every write goes
@@ -722,6 +779,8 @@ def sharing_keeps_counts_and_isolation(block_size, num_blocks, seed, ops):
         content[s] = content[s][:start] + vals
 
     for op, a, b, n in ops:
+        if op == "fork" and a in content and b not in content and n >= 3:
+            op, n = "fork+grow", n - 3             # a fork, then both write at once
         if op == "reserve" and a not in content:
             try:
                 cm.reserve(a, n)
@@ -734,12 +793,35 @@ def sharing_keeps_counts_and_isolation(block_size, num_blocks, seed, ops):
             cm.fork(a, b)
             content[b] = list(content[a])
             log.append(f"fork({a}, {b})")
-        elif op == "grow" and a in content:
-            seqs = [a] + ([b] if b in content and b != a else [])
+        elif op in ("grow", "fork+grow") and a in content:
+            if op == "fork+grow":
+                cm.fork(a, b)
+                content[b] = list(content[a])
+                log.append(f"fork({a}, {b})")
+                seqs = [a, b]
+            else:
+                seqs = [a] + ([b] if b in content and b != a else [])
+            # the model: new blocks where a sequence outgrows its last block, plus a copy for
+            # every writer into a shared partial last block but the last of its holders
+            new = sum(-(-(len(content[x]) + n) // block_size) - -(-len(content[x]) // block_size)
+                      for x in seqs)
+            writers: dict = {}
+            for x in seqs:
+                if n and len(content[x]) % block_size:
+                    last = cm.blocks_of(x)[-1]
+                    writers[last] = writers.get(last, 0) + 1
+            copies = sum(w - (w == int(cm.refs[blk])) for blk, w in writers.items())
             try:
-                cm.grow(seqs, n)
+                got = cm.grow(seqs, n)
             except OutOfBlocksError:
+                expect(new + copies > cm.num_free_blocks,
+                       f"after {', '.join(log)}: grow({seqs}, {n}) ran out of blocks, but it "
+                       f"needs {new} new and {copies} copies with {cm.num_free_blocks} free")
                 continue
+            expect(got == new + copies,
+                   f"after {', '.join(log)}: grow({seqs}, {n}) took {got} blocks; it needs "
+                   f"{new} new block(s) and {copies} copy(ies)-on-write (a copy for each writer "
+                   f"into a shared partial last block, except the last table still holding it)")
             for s in seqs:
                 write(s, len(content[s]), n)
             log.append(f"grow({seqs}, {n})")
@@ -855,6 +937,21 @@ def beams_fork_prune_and_match():
                f"{[t for t, _ in want]}")
         expect(all(math.isclose(a, b, rel_tol=1e-9) for (_, a), (_, b) in zip(got, want)),
                f"{what}: scores {[s for _, s in got]}, expected {[s for _, s in want]}")
+        for step in search.history:
+            live = [p for p, st_ in zip(step.parents, step.status) if st_ == "live"]
+            forks = sum(max(0, live.count(p) - 1) for p in set(live))
+            expect(len(step.forks) == forks,
+                   f"{what}: a step whose live survivors have parents {live} forks {forks} "
+                   f"time(s) (a parent's second child and after), but step.forks is {step.forks}")
+        contiguous = BeamSearch(model, prompt, width, 5, cache="contiguous", stop_tokens=[]).run()
+        expect([t for t, _ in contiguous] == [t for t, _ in want],
+               f"{what}: on the contiguous cache the beams are {[t for t, _ in contiguous]}, "
+               f"the no-cache search gives {[t for t, _ in want]}")
+        freed = sum(len(s.freed) for s in search.history)
+        forked = sum(len(s.forks) for s in search.history)
+        expect(freed == 1 + forked, f"{what}: {freed} rows were freed over the search "
+                                    f"(step.freed) but 1 + {forked} forks were started: every "
+                                    f"row is freed once")
         m = search.cache.managers[0]
         expect(m.num_free_blocks == m.num_blocks and int(m.refs.sum()) == 0,
                f"{what}: after the search {m.num_blocks - m.num_free_blocks} blocks are still "

@@ -20,6 +20,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+import hypothesis.reporting
+
 
 class CheckFailed(AssertionError):
     """A property of the task does not hold; the message is the sentence a learner reads."""
@@ -29,8 +31,9 @@ class NotWritten(Exception):
     """A stub still raises NotImplementedError."""
 
 
-class TooSlow(Exception):
-    """A check ran past its time limit (a loop that never ends, most likely)."""
+class TooSlow(BaseException):
+    """A check ran past its time limit (a loop that never ends, most likely). A BaseException,
+    so that hypothesis does not catch it and replay the example that hangs."""
 
 
 def expect(ok, sentence: str) -> None:
@@ -148,8 +151,6 @@ def _falsifying(text: str) -> str:
 def run_check(check, task, seconds_limit: float | None = 60.0) -> Outcome:
     """Run one check (a function of no arguments) and turn whatever happens into an Outcome
     with a sentence: never a traceback, unless the grader itself broke."""
-    import hypothesis.reporting
-
     report = io.StringIO()
     start = time.perf_counter()
     try:

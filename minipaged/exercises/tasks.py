@@ -33,7 +33,8 @@ class Task:
 S2 = (c.take_matches_the_documented_draw, c.allocator_matches_a_list_model, c.paged_cache_tokens)
 S3 = (c.paged_attention_matches_dense, c.paged_call_tokens)
 S5 = (c.engine_is_fcfs_and_preempts_the_newest,)
-S5B = (c.chunked_engine_keeps_the_budget, c.chunks_fill_the_budget)
+S5B = (c.admissible_is_the_largest_chunk_that_fits, c.chunked_engine_keeps_the_budget,
+       c.chunks_fill_the_budget)
 S6 = (c.sharing_keeps_counts_and_isolation, c.sampling_shares_blocks_and_keeps_tokens)
 
 TASKS = (
