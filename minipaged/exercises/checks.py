@@ -211,6 +211,9 @@ ALLOC_OPS = st.lists(st.tuples(st.sampled_from(["reserve", "grow", "grow", "free
 
 
 @prop(40)
+@example(1, 3, 0, [("reserve", 0, 1, [0]), ("reserve", 1, 1, [0]), ("grow", 0, 1, [0, 1])])
+@example(2, 4, 0, [("reserve", 0, 2, [0]), ("reserve", 1, 3, [0]), ("grow", 0, 1, [1, 0]),
+                   ("free", 1, 0, [0]), ("reserve", 2, 7, [0])])
 @given(st.integers(1, 4), st.integers(2, 10), st.integers(0, 99), ALLOC_OPS)
 def allocator_matches_a_list_model(block_size, num_blocks, seed, ops):
     """A CacheManager driven by random reserve/grow/free calls agrees with a plain Python model:
@@ -536,6 +539,7 @@ def split_allocated_counts_slot_by_slot(reqs):
 
 @prop(60)
 @example([1, 1], 0, 2, False)
+@example([2, 1], 0, 2, False)
 @given(st.lists(st.integers(1, 9), max_size=5), st.integers(0, 6),
        st.one_of(st.none(), st.integers(1, 12)), st.booleans())
 def split_free_matches_the_definition(pieces, idle_extra, next_need, paged):
@@ -672,6 +676,9 @@ def _fcfs_and_preempt_newest(engine, before, out):
 
 
 @prop(12)
+@example((2, [(0, 7, 0), (0, 7, 0)], 4, "recompute", None, 8))     # two in lockstep, a dry pool
+@example((2, [(0, 7, 0), (0, 7, 0), (4, 5, 1)], 5, "swap", None, 8))
+@example((4, [(3, 7, 0), (1, 6, 0), (2, 7, 2)], 4, "recompute", None, 2))
 @given(workloads())
 def engine_is_fcfs_and_preempts_the_newest(work):
     """On random workloads and small pools, the engine with your scheduler gives the contiguous
@@ -695,6 +702,8 @@ def _within_budget(engine, before, out):
 
 
 @prop(12)
+@example((2, [(0, 7, 0), (0, 7, 0)], 4, "recompute", 3, 8))
+@example((2, [(3, 7, 0), (1, 6, 0), (2, 7, 1)], 8, "swap", 4, 8))
 @given(workloads(budgets=(1, 3, 4, 7)))
 def chunked_engine_keeps_the_budget(work):
     """Under a token budget the engine with your code gives the contiguous cache's tokens, and

@@ -143,8 +143,8 @@ def _falsifying(text: str) -> str:
     """The 'Falsifying example' part of hypothesis's report, if any."""
     lines = [ln for ln in text.splitlines() if ln.strip()]
     for i, ln in enumerate(lines):
-        if ln.startswith("Falsifying example"):
-            return "\n".join("      " + x for x in lines[i:i + 12])
+        if ln.startswith(("Falsifying", "Failing")):
+            return "\n".join("      " + x for x in lines[i:i + 16])
     return ""
 
 
@@ -161,13 +161,15 @@ def run_check(check, task, seconds_limit: float | None = 60.0) -> Outcome:
     except NotImplementedError as e:
         msg = f"not written yet: {task.id}, see {task.lesson}" if "see lessons/" in str(e) or \
             "not written yet" in str(e) else f"NotImplementedError: {e}"
+        return Outcome(check.__name__, False, msg, time.perf_counter() - start)
     except TooSlow:
         msg = f"took longer than {seconds_limit:.0f} s: does a loop never end?"
+        notes = []
     except CheckFailed as e:
-        msg = str(e)
+        msg, notes = str(e), getattr(e, "__notes__", [])
     except Exception as e:                              # the learner's code raised
-        msg = _where(e)
-    example = _falsifying(report.getvalue())
+        msg, notes = _where(e), getattr(e, "__notes__", [])
+    example = _falsifying(report.getvalue() + "\n" + "\n".join(map(str, notes)))
     if example:
         msg += "\n    smallest input found:\n" + example
     return Outcome(check.__name__, False, msg, time.perf_counter() - start)
