@@ -400,16 +400,20 @@ def paged_attention_matches_dense(case):
 
 
 class _CallPerLayer(PagedCache):
-    """Stage 3's paged cache calling `flash_attn_with_kvcache` on each layer (the grader's own
-    harness: the call the lesson describes, with its write and its gather)."""
+    """Stage 3's paged cache calling `flash_attn_with_kvcache` on each layer, with the tables
+    and lengths its CacheManagers give (the grader's own harness: the call the lesson
+    describes, with its write and its gather, whatever the cache does for speed)."""
+
+    def prepare(self, seq_ids, num_new_tokens: int) -> None:
+        super().prepare(seq_ids, num_new_tokens)
+        self._step_ids, self._step_new = [int(s) for s in seq_ids], num_new_tokens
 
     def attend(self, layer, q, k, v):
         m = self.managers[layer]
-        lens = self.cache_seqlens
         return flash_attn_with_kvcache(q, m.k_cache_paged, m.v_cache_paged, k, v,
-                                       cache_seqlens=lens.to(torch.int32),
-                                       block_table=self.block_tables[layer], causal=True,
-                                       backend="torch")
+                                       cache_seqlens=m.seq_lens_for(self._step_ids) - self._step_new,
+                                       block_table=m.block_table_for(self._step_ids),
+                                       causal=True, backend="torch")
 
 
 def paged_call_tokens():

@@ -157,7 +157,7 @@ def mutants(task: Task):
     return out
 
 
-def kills(task: Task, fn, seconds_limit: float = 10.0) -> str | None:
+def kills(task: Task, fn, seconds_limit: float = 6.0) -> str | None:
     """The first check that fails with `fn` standing in (its sentence), or None if all pass."""
     checks.SHRINK = False
     try:
