@@ -33,7 +33,7 @@ from ..paged_attention import flash_attn_with_kvcache
 from ..paged_cache import PagedCache, generate_paged
 from ..prefix_cache import block_hash
 from ..sharing import SharedCacheManager
-from .grader import expect
+from .grader import CheckFailed, expect
 
 SHRINK = True       # the mutation runs switch shrinking off: they only need to know "it failed"
 
@@ -323,6 +323,19 @@ def paged_cache_tokens():
     for i, (g, w) in enumerate(zip(got, want)):
         expect(g == w, f"prompt {i} ({lengths[i]} tokens) continued as {g} on the paged cache, "
                        f"but the contiguous cache gives {w}")
+
+
+def later_stages_build_on_your_allocator():
+    """Stage 6's SharedCacheManager inherits your reserve, grow and free and overrides the
+    helpers they call (`_take`, `_release`: reference counts): parallel samples on shared
+    blocks still give the contiguous cache's tokens."""
+    try:
+        sampling_shares_blocks_and_keeps_tokens()
+    except CheckFailed as e:
+        raise CheckFailed(f"stage 6 builds on your allocator and now goes wrong: {e}. Take and "
+                          f"return blocks through self._take and self._release (stage 6 "
+                          f"overrides them to count references), not self.free_blocks "
+                          f"directly") from None
 
 
 # -- stage 3 ---------------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ class Task:
         return self.target.rsplit(".", 1)[1]
 
 
-S2 = (c.take_matches_the_documented_draw, c.allocator_matches_a_list_model, c.paged_cache_tokens)
+S2 = (c.take_matches_the_documented_draw, c.allocator_matches_a_list_model, c.paged_cache_tokens,
+      c.later_stages_build_on_your_allocator)
 S3 = (c.paged_attention_matches_dense, c.paged_call_tokens)
 S5 = (c.engine_is_fcfs_and_preempts_the_newest,)
 S5B = (c.admissible_is_the_largest_chunk_that_fits, c.chunked_engine_keeps_the_budget,
