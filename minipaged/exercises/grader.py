@@ -171,7 +171,7 @@ def run_check(check, task, seconds_limit: float | None = 60.0) -> Outcome:
         msg, notes = _where(e), getattr(e, "__notes__", [])
     example = _falsifying(report.getvalue() + "\n" + "\n".join(map(str, notes)))
     if example:
-        msg += "\n    smallest input found:\n" + example
+        msg += "\n    the input it failed on (shrunk to the smallest found):\n" + example
     return Outcome(check.__name__, False, msg, time.perf_counter() - start)
 
 
