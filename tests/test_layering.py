@@ -18,8 +18,9 @@ Parsed, never imported: every module's imports are read with `ast`.
   * The modules import each other without a cycle.
   * Subpackages keep to their floor: formats reads checkpoints for the model and nothing above
     it; viz draws the stages but knows no application; fast rearranges the stages' model and
-    caches for speed and knows nothing above them (no stage imports it); nothing but benchmarks imports
-    benchmarks.
+    caches for speed and knows nothing above them (no stage imports it); exercises (the course's
+    tasks and grader) may import every stage and drawing, and nothing imports it; nothing but
+    benchmarks imports benchmarks.
 """
 
 import ast
@@ -169,6 +170,8 @@ FLOORS = {   # subpackage -> what else in the package it may import (besides its
     "viz": {m for m in ROOT_MODULES} | {f"minipaged.{m}" for m in SUPPORT},
     "embedded": {"minipaged.model", "minipaged.formats", "minipaged.viz", "minipaged.cli"},
     "fast": {m for m in ROOT_MODULES} | {f"minipaged.{m}" for m in SUPPORT},
+    # the course's tasks and grader: every stage and drawing, never a benchmark
+    "exercises": {"minipaged"} | {m for m in MODULES if not m.startswith("minipaged.benchmarks")},
 }
 
 
@@ -191,3 +194,11 @@ def test_cli_sits_beside_errors():
     """The command lines' shared conventions import nothing of the package but its errors, so
     every program (chat, embedded, benchmarks) can use them without reaching across."""
     assert imports("minipaged.cli") <= {"minipaged.errors"}
+
+
+def test_nothing_imports_the_exercises():
+    """The grader stands a learner's function in for the package's; no stage may depend on it."""
+    for name in MODULES:
+        if not name.startswith("minipaged.exercises"):
+            assert not any(t.startswith("minipaged.exercises") for t in imports(name, False)), \
+                f"{name} imports the exercises: the course's grader sits above everything"
