@@ -3,7 +3,7 @@
     a folder with params.json + consolidated.00.pth     Meta's layout          (checkpoint.py)
     a folder with config.json + *.safetensors           Hugging Face's layout  (checkpoint.py)
     a .gguf file, or a folder holding one               llama.cpp's format     (gguf_checkpoint.py)
-    nothing                                             the embedded model in assets/model/
+    nothing                                             the embedded model (minipaged/embedded/model/)
 
 Each reader returns `ModelArgs` and a state dict with Meta's names; the checks and the `Llama`
 they become are the same for all of them.
@@ -22,7 +22,8 @@ from .gguf_checkpoint import find_gguf, read_gguf
 from .gguf_tokenizer import load_gguf_tokenizer
 from .tokenizer import Tokenizer
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "assets" / "model"
+# Inside the package, so `pip install` ships it as package data (see pyproject.toml).
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "embedded" / "model"
 
 
 def load_model(path=None, device="cpu", dtype=None) -> Llama:
@@ -85,14 +86,14 @@ def _check_state(state: dict, model: Llama, folder: Path, config_name: str):
 
 def load_tokenizer(path=None):
     """Load a tiktoken `tokenizer.model`: a file, a folder holding one (or its `original/`, as in
-    Hugging Face's Llama 3 repos), or None for the embedded model in assets/model. A GGUF file
+    Hugging Face's Llama 3 repos), or None for the embedded model (embedded/model/). A GGUF file
     (or a folder holding one and no tokenizer.model) gives the tokenizer stored in it."""
     if path is None:
         file = DEFAULT_MODEL_DIR / "tokenizer.model"
         if not file.is_file():
             raise TokenizerError(
-                f"the embedded model's tokenizer is missing: expected {file}. Create assets/model "
-                "with `python -m minipaged.embedded.train`, or pass the path of a Llama 3 "
+                f"the embedded model's tokenizer is missing: expected {file}. Create it with "
+                "`python -m minipaged.embedded.train`, or pass the path of a Llama 3 "
                 "tokenizer.model.")
         return Tokenizer(file)
     path = Path(path).expanduser()
