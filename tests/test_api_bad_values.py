@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from minipaged import Engine, beam_search, generate
+from minipaged import Engine, beam_search, generate, load_model
 from minipaged.errors import MiniPagedError, NotEnoughMemoryError, RequestError, UsageError
 from minipaged.sharing import SharedPagedCache
 
@@ -218,3 +218,18 @@ def test_prompts_the_prefix_cache_would_hash_wrong(model, tokens):
     refused(lambda: cache.start(1, tokens), "tokens")
     refused(lambda: cache.prefix_hits(tokens), "tokens")
     assert cache_state(cache) == before
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"device": "xyz"}, "device"), ({"device": 3.5}, "device"),
+    ({"dtype": "float16"}, "dtype"), ({"dtype": torch.int8}, "dtype"),
+])
+def test_load_model_device_and_dtype(kwargs, word):
+    refused(lambda: load_model(**kwargs), word)
+
+
+def test_load_model_on_cuda_loads_or_says_there_is_no_gpu():
+    if torch.cuda.is_available():
+        assert next(load_model(device="cuda").parameters()).is_cuda
+    else:
+        refused(lambda: load_model(device="cuda"), "device='cuda'", "GPU", "device='cpu'")

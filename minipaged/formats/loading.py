@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError, TokenizerError
+from ..errors import CheckpointError, TokenizerError, UsageError
 from ..model import Llama
 from .checkpoint import read_hf, read_meta
 from .gguf_checkpoint import find_gguf, read_gguf
@@ -33,6 +33,7 @@ def load_model(path=None, device="cpu", dtype=None) -> Llama:
     path=None loads the embedded default model; dtype=None keeps the checkpoint's dtype
     (float32 for a GGUF file, whose quantized blocks have no PyTorch dtype).
     """
+    check_device(device, dtype)        # before reading anything: a checkpoint may be large
     folder = Path(path).expanduser() if path is not None else DEFAULT_MODEL_DIR
     if not folder.exists():
         raise CheckpointError(f"no such file or folder: {folder}")
@@ -82,6 +83,22 @@ def _check_state(state: dict, model: Llama, folder: Path, config_name: str):
         if tuple(state[k].shape) != shape:
             raise CheckpointError(f"{folder}: tensor {k} has shape {tuple(state[k].shape)}, "
                                   f"but {config_name} implies {shape}")
+
+
+def check_device(device, dtype=None) -> None:
+    """UsageError for a device torch does not know or this machine does not have (device="cuda"
+    without a GPU), or a dtype that is not a floating-point torch dtype."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"device must be a torch device such as 'cpu' or 'cuda', not {device!r}") \
+            from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device={str(device)!r} needs a CUDA GPU, and torch sees none here; "
+                         f"load the model with device='cpu'")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise UsageError(f"dtype must be a floating-point torch dtype such as torch.bfloat16 "
+                         f"(or None: the checkpoint's), not {dtype!r}")
 
 
 def load_tokenizer(path=None):
