@@ -3,7 +3,7 @@
     a folder with params.json + consolidated.00.pth     Meta's layout          (checkpoint.py)
     a folder with config.json + *.safetensors           Hugging Face's layout  (checkpoint.py)
     a .gguf file, or a folder holding one               llama.cpp's format     (gguf_checkpoint.py)
-    nothing                                             the embedded model (minipaged/embedded/model/)
+    nothing                                             the embedded model (embedded/model/)
 
 Each reader returns `ModelArgs` and a state dict with Meta's names; the checks and the `Llama`
 they become are the same for all of them.
