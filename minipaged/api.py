@@ -16,10 +16,13 @@ from __future__ import annotations
 import torch
 
 from .beams import beam_search     # stage 6b's, public as it is
+from .checks import check_memory, check_request
+from .engine import check_stop_tokens, check_values, check_whole, whole
 from .errors import RequestError
-from .generation import check_request, generate_static, row_generator
-from .sizing import pool_blocks
+from .generation import generate_static, row_generator
+from .kv_budget import bytes_per_block
 from .sharing_engine import SharingEngine
+from .sizing import pool_blocks
 
 Engine = SharingEngine      # the engine with every stage's options
 __all__ = ["Engine", "PAGED_OPTIONS", "beam_search", "generate"]
@@ -54,12 +57,14 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
     engine_class: the engine cache="paged" runs on (default `Engine`; the speed layer's
     `minipaged.fast.FastEngine` runs the same steps faster).
     """
-    if not isinstance(n, int) or n < 1:
+    if not whole(n) or n < 1:
         raise RequestError(f"n (samples per prompt) must be a positive integer, not {n!r}")
     unknown = sorted(set(paged_options) - set(PAGED_OPTIONS))
     if unknown:
         raise RequestError(f"generate() takes no option {', '.join(unknown)}; the paged cache's "
                            f"options are {', '.join(PAGED_OPTIONS)}")
+    check_arguments(model, prompts, max_new_tokens, cache, temperature, top_p, stop_tokens, seed,
+                    callback, n)
     num_prompts = len(prompts) if isinstance(prompts, (list, tuple)) else 0
     if cache == "paged":
         out = _serve(engine_class or Engine, model, prompts, max_new_tokens, temperature, top_p,
@@ -77,6 +82,30 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
     else:
         raise RequestError(f"unknown cache {cache!r}: choose 'contiguous' or 'paged'")
     return out if n == 1 else [out[i * n:(i + 1) * n] for i in range(num_prompts)]
+
+
+def check_arguments(model, prompts, max_new_tokens, cache, temperature, top_p, stop_tokens,
+                    seed, callback, n) -> None:
+    """What `check_request` does not see: the kinds of value it lets through, the seed, the
+    callback, a cache object without the cache interface, and n samples that could never fit
+    in memory (refused before the n copies of each prompt are even listed)."""
+    check_values(model, prompts, max_new_tokens, temperature, top_p)
+    check_stop_tokens(model, stop_tokens)
+    check_whole("seed", seed)
+    if callback is not None and not callable(callback):
+        raise RequestError(f"callback must be a function (event, seq_id, token, cache) or None, "
+                           f"not {callback!r}")
+    if not isinstance(cache, str) and cache is not None and not all(
+            hasattr(cache, name) for name in ("prepare", "attend", "free", "cache_seqlens")):
+        raise RequestError(f"cache must be 'contiguous', 'paged' or an object with the cache "
+                           f"interface (prepare, positions, attend, free), not {cache!r}")
+    if n == 1:
+        return
+    limits = check_request(model, prompts, max_new_tokens, temperature, top_p, float("inf"))
+    tokens = n * sum(len(q) + m for q, m in zip(prompts, limits))   # the least the cache holds
+    a, p = model.args, next(model.parameters())
+    check_memory(tokens * bytes_per_block(1, a.n_kv_heads, a.head_dim, p.dtype, a.n_layers),
+                 p.device, f"n={n} samples of {len(prompts)} prompt(s)")
 
 
 def _serve(engine_class, model, prompts, max_new_tokens, temperature, top_p, stop_tokens, seed, max_seq_len,

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .engine import check_pool_options, check_stop_tokens, check_values, check_whole, whole
 from .errors import RequestError
 from .generation import check_request
 from .sizing import pool_blocks
@@ -80,9 +81,10 @@ def check_beam_request(model, prompt, beam_width, max_new_tokens, length_penalty
                        cache, cache_options) -> set[int]:
     """Stage 1's request check, then beam search's own; returns the stop tokens (None: the
     model's)."""
+    check_values(model, [prompt], max_new_tokens, 0.0, 1.0)
     check_request(model, [prompt], max_new_tokens, 0.0, 1.0, model.args.max_seq_len)
     vocab = model.args.vocab_size
-    if not isinstance(beam_width, int) or not 1 <= beam_width <= vocab:
+    if not whole(beam_width) or not 1 <= beam_width <= vocab:
         raise RequestError(f"beam_width must be an integer from 1 to the vocabulary size "
                            f"({vocab}), not {beam_width!r}")
     if max_new_tokens < 1:
@@ -92,14 +94,15 @@ def check_beam_request(model, prompt, beam_width, max_new_tokens, length_penalty
             or not math.isfinite(length_penalty):
         raise RequestError(f"length_penalty must be a finite number (1.0 averages the "
                            f"log-probabilities, 0 sums them), not {length_penalty!r}")
-    stop = model.args.stop_tokens if stop_tokens is None else stop_tokens
-    if not all(isinstance(t, int) and 0 <= t < vocab for t in stop):
-        raise RequestError(f"stop_tokens must be token ids in [0, {vocab}); got {stop!r}")
+    stop = check_stop_tokens(model, stop_tokens)
     unknown = sorted(set(cache_options) - set(PAGED_OPTIONS if cache == "paged" else ()))
     if cache not in ("paged", "contiguous") or unknown:
         raise RequestError(f"beam search runs on cache='paged' (options: "
                            f"{', '.join(PAGED_OPTIONS)}) or cache='contiguous' (none); got "
                            f"cache={cache!r}" + (f" with {', '.join(unknown)}" if unknown else ""))
+    check_pool_options(cache_options.get("num_blocks"), cache_options.get("kv_budget"),
+                       seed=cache_options.get("seed", 0),
+                       backend=cache_options.get("backend", "auto"))
     return set(stop)
 
 
@@ -127,6 +130,7 @@ class BeamSearch:
                  **cache_options):
         stop = check_beam_request(model, prompt, beam_width, max_new_tokens, length_penalty,
                                   stop_tokens, cache, cache_options)
+        check_whole("block_size", block_size, 1)
         self.model, self.beam_width, self.max_new_tokens = model, beam_width, max_new_tokens
         self.length_penalty, self.stop = length_penalty, stop
         self.paged = cache == "paged"

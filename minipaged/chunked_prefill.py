@@ -54,7 +54,8 @@ class ChunkedScheduler(Scheduler):
     def __init__(self, *args, max_num_batched_tokens: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         budget = max_num_batched_tokens
-        if budget is not None and (not isinstance(budget, int) or budget < 1):
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or budget < 1):
             raise RequestError(f"max_num_batched_tokens is the most tokens one step may run: a "
                                f"positive integer (or None for no budget), not {budget!r}")
         self.max_num_batched_tokens = budget

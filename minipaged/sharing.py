@@ -20,6 +20,8 @@ drives one per layer, as stage 3's PagedCache drives CacheManagers.
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 from .cache_manager import CacheManager
@@ -27,6 +29,14 @@ from .checks import check_count, check_live, check_new, check_one, check_room, c
 from .errors import RequestError
 from .paged_cache import PagedCache
 from .prefix_cache import PrefixCache, block_hashes
+
+
+def check_tokens(tokens) -> None:
+    """A prompt as the prefix cache hashes it: a non-empty list of token ids (1.5 and True
+    would hash as 1 and find blocks that hold other tokens)."""
+    if not isinstance(tokens, (list, tuple)) or not tokens or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        raise RequestError(f"tokens must be a non-empty list of token ids, not {tokens!r}")
 
 
 class SharedCacheManager(CacheManager):
@@ -56,7 +66,7 @@ class SharedCacheManager(CacheManager):
             return super().reserve(seq_id, num_tokens)
         s, n = check_new(self, seq_id), check_count(num_tokens)
         k = self.blocks_for(n)
-        shared = [int(b) for b in prefix_blocks]
+        shared = self._check_prefix(prefix_blocks)
         if len(shared) > k or self.prefix is None:
             raise RequestError(f"{len(shared)} prefix blocks cannot start a sequence of {n} "
                                f"tokens ({k} blocks), nor without prefix caching")
@@ -71,6 +81,19 @@ class SharedCacheManager(CacheManager):
         self._held[s], self._lens[s] = k, n
         self._live.add(s)
         return blocks
+
+    def _check_prefix(self, prefix_blocks) -> list[int]:
+        """Prefix blocks as ints: distinct blocks of this pool that hold K/V, held by a
+        sequence or cached-free (a free block holds nothing to share)."""
+        blocks = list(prefix_blocks)
+        ok = all(isinstance(b, numbers.Integral) and not isinstance(b, bool)
+                 and 0 <= b < self.num_blocks for b in blocks) and len(set(blocks)) == len(blocks)
+        cached = self.prefix.cached_free if self.prefix is not None else {}
+        if not ok or any(self.refs[b] == 0 and b not in cached for b in blocks):
+            raise RequestError(f"prefix_blocks must be distinct blocks in [0, {self.num_blocks}) "
+                               f"that hold K/V (held, or cached-free: from match_prefix), not "
+                               f"{blocks!r}")
+        return [int(b) for b in blocks]
 
     def fork(self, parent: int, child: int) -> None:
         """`child` starts as a copy of `parent`'s table: every block shared, count +1, no copy."""
@@ -183,6 +206,7 @@ class SharedPagedCache(PagedCache):
         """Per layer, the cached blocks that hold the longest known prefix of `tokens`, as many in
         every layer (none without prefix caching). Never the block of the last token, whose
         logits the caller needs: a prompt seen in full still recomputes its last block."""
+        check_tokens(tokens)
         if not self.prefix_caching:
             return [[] for _ in self.managers]
         n, bs = len(tokens), self.block_size

@@ -22,8 +22,11 @@ forked after its last chunk.
 
 from __future__ import annotations
 
+import torch
+
 from .chunked_engine import ChunkedEngine
 from .chunked_prefill import ChunkedScheduler
+from .engine import check_flag, whole
 from .errors import RequestError
 from .scheduler import Request
 from .sharing import SharedPagedCache
@@ -54,6 +57,7 @@ class SharingEngine(ChunkedEngine):
 
     def __init__(self, model, num_blocks: int | None = None, block_size: int = 16,
                  preemption: str = "recompute", *, prefix_caching: bool = False, **options):
+        check_flag("prefix_caching", prefix_caching)
         self.prefix_caching = prefix_caching
         super().__init__(model, num_blocks, block_size, preemption, **options)
 
@@ -69,9 +73,11 @@ class SharingEngine(ChunkedEngine):
         """Stage 5's `add_request`; n > 1 asks for n samples sharing the prompt's blocks, added
         one after the other (returned: the first). `generators` gives each its own stream (else
         `generator` for the first and none for the rest, which only makes sense greedy)."""
-        if not isinstance(n, int) or n < 1 or (generators is not None and len(generators) != n):
-            raise RequestError(f"n must be a positive integer with one generator per sample, "
-                               f"not n={n!r}")
+        if not whole(n) or n < 1 or (generators is not None and (
+                not isinstance(generators, (list, tuple)) or len(generators) != n
+                or not all(g is None or isinstance(g, torch.Generator) for g in generators))):
+            raise RequestError(f"n must be a positive integer with one generator (a "
+                               f"torch.Generator or None) per sample, not n={n!r}")
         if n > self.scheduler.max_num_seqs:
             raise RequestError(f"n={n} samples need {n} sequences at once, but the engine runs "
                                f"at most {self.scheduler.max_num_seqs}; raise max_num_seqs")

@@ -16,7 +16,7 @@ from minipaged.embedded.train import train
 from minipaged.errors import UsageError
 from minipaged.formats import DEFAULT_MODEL_DIR
 
-SHIPPED = [DEFAULT_MODEL_DIR, DEFAULT_MODEL_DIR.parent / "loss_curve.png"]
+SHIPPED = [DEFAULT_MODEL_DIR]          # the model and its loss curve
 OUTPUTS = {"config.json", "model.safetensors", "tokenizer.model", "training.json",
            "loss_curve.png"}
 

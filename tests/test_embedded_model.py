@@ -1,4 +1,5 @@
-"""The shipped model in assets/model: loaded through the real loader, it learned its corpus."""
+"""The shipped model in minipaged/embedded/model: loaded through the real loader, it learned its
+corpus."""
 
 import json
 

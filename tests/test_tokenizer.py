@@ -207,9 +207,9 @@ def test_default_path(tmp_path, monkeypatch):
     assert load_tokenizer().n_words == 512
 
 
-def test_default_dir_is_assets_model():
+def test_default_dir_is_inside_the_package():
     root = Path(__file__).resolve().parents[1]          # the repository
-    assert tokenizer_module.DEFAULT_MODEL_DIR == root / "assets" / "model"
+    assert tokenizer_module.DEFAULT_MODEL_DIR == root / "minipaged" / "embedded" / "model"
 
 
 def test_rewritten_file_is_reread(tmp_path):

@@ -2,5 +2,5 @@
 
 Not a stage of the course. No machine this project was built on can download a checkpoint, so
 the repository trains a tiny Llama 3 of its own (`python -m minipaged.embedded.train`) and ships
-it in `assets/model/`, where `minipaged.load_model()` finds it.
+it in `minipaged/embedded/model/`, where `minipaged.load_model()` finds it.
 """

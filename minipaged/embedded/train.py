@@ -5,7 +5,7 @@ tokenizer is a byte-level BPE trained here (`bpe.py`) in Llama 3's tiktoken form
 model is the Llama 3 architecture of `minipaged/model.py` (GQA, scaled rope), saved in the Hugging Face
 layout so `load_model()` reads it through the same path as a real Llama 3.
 
-    python -m minipaged.embedded.train --overwrite          # remake the shipped model in assets/
+    python -m minipaged.embedded.train --overwrite          # remake the shipped model in model/
     python -m minipaged.embedded.train --out my-model --steps 50
 
 The arguments are checked before any work; the model folder is written in a temporary folder
@@ -209,17 +209,15 @@ def main(argv=None):
                                 description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=cli.output_folder, default=DEFAULT_MODEL_DIR,
                         help="folder to write the model to (default: the shipped model's, "
-                             "assets/model, which takes --overwrite)")
+                             "minipaged/embedded/model, which takes --overwrite)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace what --out and --plot hold already")
     parser.add_argument("--steps", type=int, default=450)       # (train() checks both)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=cli.output_file,
-                        help="the loss curve, a PNG (default: assets/loss_curve.png for the "
-                             "shipped model, else loss_curve.png in --out)")
+                        help="the loss curve, a PNG (default: loss_curve.png in --out)")
     a = parser.parse_args(argv)
-    shipped = a.out.resolve() == DEFAULT_MODEL_DIR.resolve()
-    plot = a.plot or (a.out.parent if shipped else a.out) / "loss_curve.png"
+    plot = a.plot or a.out / "loss_curve.png"
     _, _, report = train(a.out, steps=a.steps, seed=a.seed, plot_path=plot,
                          overwrite=a.overwrite)
     print(json.dumps(report, indent=2))

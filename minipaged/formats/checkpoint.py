@@ -5,8 +5,8 @@
 
 `read_meta` and `read_hf` return the same thing — `ModelArgs` and a state dict with Meta's
 names — so `loading.load_model` builds one `Llama` from either. The embedded default model in
-`assets/model/` is stored in the Hugging Face layout, so it takes exactly the path a real
-Llama 3 does.
+`minipaged/embedded/model/` is stored in the Hugging Face layout, so it takes exactly the path a
+real Llama 3 does.
 
 Every value read from params.json or config.json is checked (a CheckpointError names the file
 and the key). A key that sets the model's shape (its width, layers, heads, vocabulary) must be

@@ -3,7 +3,7 @@
     a folder with params.json + consolidated.00.pth     Meta's layout          (checkpoint.py)
     a folder with config.json + *.safetensors           Hugging Face's layout  (checkpoint.py)
     a .gguf file, or a folder holding one               llama.cpp's format     (gguf_checkpoint.py)
-    nothing                                             the embedded model in assets/model/
+    nothing                                             the embedded model (embedded/model/)
 
 Each reader returns `ModelArgs` and a state dict with Meta's names; the checks and the `Llama`
 they become are the same for all of them.
@@ -15,14 +15,15 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError, TokenizerError
+from ..errors import CheckpointError, TokenizerError, UsageError
 from ..model import Llama
 from .checkpoint import read_hf, read_meta
 from .gguf_checkpoint import find_gguf, read_gguf
 from .gguf_tokenizer import load_gguf_tokenizer
 from .tokenizer import Tokenizer
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "assets" / "model"
+# Inside the package, so `pip install` ships it as package data (see pyproject.toml).
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "embedded" / "model"
 
 
 def load_model(path=None, device="cpu", dtype=None) -> Llama:
@@ -32,6 +33,7 @@ def load_model(path=None, device="cpu", dtype=None) -> Llama:
     path=None loads the embedded default model; dtype=None keeps the checkpoint's dtype
     (float32 for a GGUF file, whose quantized blocks have no PyTorch dtype).
     """
+    check_device(device, dtype)        # before reading anything: a checkpoint may be large
     folder = Path(path).expanduser() if path is not None else DEFAULT_MODEL_DIR
     if not folder.exists():
         raise CheckpointError(f"no such file or folder: {folder}")
@@ -83,16 +85,32 @@ def _check_state(state: dict, model: Llama, folder: Path, config_name: str):
                                   f"but {config_name} implies {shape}")
 
 
+def check_device(device, dtype=None) -> None:
+    """UsageError for a device torch does not know or this machine does not have (device="cuda"
+    without a GPU), or a dtype that is not a floating-point torch dtype."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"device must be a torch device such as 'cpu' or 'cuda', not {device!r}") \
+            from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device={str(device)!r} needs a CUDA GPU, and torch sees none here; "
+                         f"load the model with device='cpu'")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise UsageError(f"dtype must be a floating-point torch dtype such as torch.bfloat16 "
+                         f"(or None: the checkpoint's), not {dtype!r}")
+
+
 def load_tokenizer(path=None):
     """Load a tiktoken `tokenizer.model`: a file, a folder holding one (or its `original/`, as in
-    Hugging Face's Llama 3 repos), or None for the embedded model in assets/model. A GGUF file
+    Hugging Face's Llama 3 repos), or None for the embedded model (embedded/model/). A GGUF file
     (or a folder holding one and no tokenizer.model) gives the tokenizer stored in it."""
     if path is None:
         file = DEFAULT_MODEL_DIR / "tokenizer.model"
         if not file.is_file():
             raise TokenizerError(
-                f"the embedded model's tokenizer is missing: expected {file}. Create assets/model "
-                "with `python -m minipaged.embedded.train`, or pass the path of a Llama 3 "
+                f"the embedded model's tokenizer is missing: expected {file}. Create it with "
+                "`python -m minipaged.embedded.train`, or pass the path of a Llama 3 "
                 "tokenizer.model.")
         return Tokenizer(file)
     path = Path(path).expanduser()
