@@ -17,6 +17,7 @@ import torch
 
 from ..errors import CheckpointError, TokenizerError
 from ..model import Llama
+from .atomic import recover
 from .checkpoint import read_hf, read_meta
 from .gguf_checkpoint import find_gguf, read_gguf
 from .gguf_tokenizer import load_gguf_tokenizer
@@ -33,6 +34,7 @@ def load_model(path=None, device="cpu", dtype=None) -> Llama:
     (float32 for a GGUF file, whose quantized blocks have no PyTorch dtype).
     """
     folder = Path(path).expanduser() if path is not None else DEFAULT_MODEL_DIR
+    recover(folder)                   # a writer killed while replacing it: finish its renames
     if not folder.exists():
         raise CheckpointError(f"no such file or folder: {folder}")
     if not folder.is_dir() and folder.suffix != ".gguf":
@@ -96,6 +98,7 @@ def load_tokenizer(path=None):
                 "tokenizer.model.")
         return Tokenizer(file)
     path = Path(path).expanduser()
+    recover(path)
     if not path.exists():
         raise TokenizerError(f"{path} does not exist; expected a Llama 3 tokenizer.model "
                              "(tiktoken format) or a folder holding one.")
