@@ -182,11 +182,9 @@ def main(argv=None):
     p.add_argument("--seed", type=cli.seed, default=0)
     p.add_argument("--sweep", action="store_true",
                    help="also serve the trace at budgets of 4, 8, 16 and 32 rows and draw it")
-    p.add_argument("--plot", type=cli.output_file,
-                   default=Path("assets/bench_throughput_vs_budget.png"))
+    cli.add_figure_options(p, "--sweep's figure, bench_throughput_vs_budget.png")
     args = p.parse_args(argv)
-    if args.sweep:
-        cli.check(p, "--plot", cli.output_file, args.plot)
+    figures = cli.figures_folder(args, p)
 
     console = Console(width=None if sys.stdout.isatty() else 120)
     torch.set_num_threads(args.threads)
@@ -221,8 +219,9 @@ def main(argv=None):
             [r * max_seq_len * per_token for r in rows_list], [sweep[r] for r in rows_list],
             title=f"{len(trace)} ShareGPT-like requests (lengths / {args.scale:g}), "
                   f"{torch.get_num_threads()} CPU thread(s)")
-        fig.savefig(args.plot, dpi=120)
-        console.print(f"wrote {args.plot}")
+        plot = cli.drawing_folder(figures, "serving") / "bench_throughput_vs_budget.png"
+        cli.save_figure(fig, plot)
+        console.print(f"wrote {plot}")
 
 
 def add_model_options(p) -> None:
