@@ -123,9 +123,23 @@ def check_outputs(out_dir: Path, plot_path: Path | None, overwrite: bool) -> Non
         if (why := _writable(path.parent)) is not None:
             raise UsageError(f"cannot write {path}: the folder {path.parent} takes no new "
                              f"files ({why})")
+    held = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
+    foreign = [name for name in held if name not in OUTPUTS]
+    if foreign:                           # --overwrite replaces a model, never other files
+        raise UsageError(f"{out_dir} holds files this trainer does not write ("
+                         f"{', '.join(foreign[:4])}{' ...' if len(foreign) > 4 else ''}); "
+                         f"write the model to a new or empty folder with --out")
+    if held and not overwrite:
+        what = "the shipped model" if out_dir == DEFAULT_MODEL_DIR.resolve() else \
+            ", ".join(held[:4]) + (" ..." if len(held) > 4 else "")
+        raise UsageError(f"{out_dir} already holds {what}; pass --overwrite (overwrite=True) to "
+                         f"replace it, or write the new model to another folder with --out")
     if plot_path is not None:
         if plot_path.is_dir():
             raise UsageError(f"{plot_path} is a folder; the loss curve is a file (a .png)")
+        if not overwrite and plot_path.resolve().parent != out_dir and plot_path.exists():
+            raise UsageError(f"{plot_path} exists; pass --overwrite (overwrite=True) to replace "
+                             f"it, or name another file with --plot")
         if plot_path.suffix.lower() != ".png":
             raise UsageError(f"the loss curve is written as a PNG: name the file {plot_path.stem}"
                              f".png, not {plot_path.name}")
@@ -134,22 +148,6 @@ def check_outputs(out_dir: Path, plot_path: Path | None, overwrite: bool) -> Non
         raise UsageError(f"{out_dir.parent} has {free / 2**20:.1f} MiB free, and the model needs "
                          f"about {output_bytes() / 2**20:.0f} MiB; free some space or write "
                          f"elsewhere with --out")
-    held = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
-    foreign = [name for name in held if name not in OUTPUTS]
-    if foreign:                           # --overwrite replaces a model, never other files
-        raise UsageError(f"{out_dir} holds files this trainer does not write ("
-                         f"{', '.join(foreign[:4])}{' ...' if len(foreign) > 4 else ''}); "
-                         f"write the model to a new or empty folder with --out")
-    if overwrite:
-        return
-    if held:
-        what = "the shipped model" if out_dir.resolve() == DEFAULT_MODEL_DIR.resolve() else \
-            ", ".join(held[:4]) + (" ..." if len(held) > 4 else "")
-        raise UsageError(f"{out_dir} already holds {what}; pass --overwrite (overwrite=True) to "
-                         f"replace it, or write the new model to another folder with --out")
-    if plot_path is not None and plot_path.resolve().parent != out_dir and plot_path.exists():
-        raise UsageError(f"{plot_path} exists; pass --overwrite (overwrite=True) to replace it, "
-                         f"or name another file with --plot")
 
 
 def train(out_dir: Path = DEFAULT_MODEL_DIR, steps: int = 450, batch_size: int = 24,

@@ -146,6 +146,15 @@ def remove_orphans(folder: Path) -> list[str]:
     return removed
 
 
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed write: `e` itself, or the one a library written in another
+    language reports in its message (safetensors: "I/O error: ... (os error 28)")."""
+    if isinstance(e, OSError):
+        return e
+    m = re.search(r"\(os error (\d+)\)", str(e)) if type(e).__name__ == "SafetensorError" else None
+    return OSError(int(m[1]), os.strerror(int(m[1]))) if m else None
+
+
 def write_error(path: Path, e: OSError) -> OutputError:
     """A failed write as one sentence (a full disk, a read-only folder...)."""
     hint = {errno.ENOSPC: "free some space or write elsewhere",
@@ -172,8 +181,10 @@ def write_file(path: Path, write) -> None:
         _usual_mode(path, tmp, 0o666)
         _fsync(tmp)
         os.replace(tmp, path)
-    except OSError as e:
-        raise write_error(path, e) from None
+    except Exception as e:
+        if (cause := _os_error(e)) is None:
+            raise
+        raise write_error(path, cause) from None
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -204,8 +215,10 @@ def staged_folder(folder: Path):
                 os.rename(folder, old)       # 2.
             os.rename(new, folder)           # 3.
             _fsync(folder.parent)
-        except OSError as e:
-            raise write_error(folder, e) from None
+        except Exception as e:
+            if (cause := _os_error(e)) is None:
+                raise
+            raise write_error(folder, cause) from None
         if old.exists():
             shutil.rmtree(old, ignore_errors=True)
     finally:
