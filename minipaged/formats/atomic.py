@@ -81,7 +81,8 @@ def _fsync_tree(folder: Path) -> None:
         _fsync(Path(root))
 
 
-def _remove(entry: Path) -> None:
+def remove(entry: Path) -> None:
+    """Delete a file, a link or a folder with what it holds."""
     if entry.is_dir() and not entry.is_symlink():
         shutil.rmtree(entry, ignore_errors=True)
     else:
@@ -118,7 +119,7 @@ def recover(folder: Path) -> list[str]:
             steps.append(f"renamed {new.name} to {folder.name}")
         if old is not None:
             if folder.exists():
-                _remove(old)
+                remove(old)
                 steps.append(f"removed {old.name}")
             else:                                # the old copy is the only one: put it back
                 os.rename(old, folder)
@@ -141,7 +142,7 @@ def remove_orphans(folder: Path) -> list[str]:
     for entry in entries:
         m = _TEMPORARY.fullmatch(entry.name)
         if m and not _alive(int(m["pid"])):
-            _remove(entry)
+            remove(entry)
             removed.append(entry.name)
     return removed
 
