@@ -18,7 +18,7 @@ Dequantizing takes seconds and parsing the metadata (every token and merge as a 
 more, so both are cached after the first load, in one folder per GGUF file's bytes:
 
     $XDG_CACHE_HOME/minipaged/gguf/           (default ~/.cache/minipaged/gguf/)
-        hashes.json                      each path's SHA-256, with its size, mtime and inode
+        hashes.json                      each path's SHA-256, with its size, times and inode
         <name>-<SHA-256 of the bytes>/
             source.json                  the cache's format, written once metadata.json is
             metadata.json                the metadata and tensor shapes
@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -231,11 +232,18 @@ def cache_dir(file: Path) -> Path:
     return _cache_root() / f"{Path(file).stem}-{content_hash(file)[:12]}"
 
 
+RACY_SECONDS = 2.0     # a file changed this recently may change again within its timestamps' tick
+
+
 def content_hash(file: Path) -> str:
-    """The SHA-256 of `file`'s bytes. Reading the file takes a moment (0.07 s for SmolLM2's
-    98 MB), so each path's hash is kept in the cache's `hashes.json` with the size, mtime and
-    inode it was taken at, and taken again only when one of them changes. When a path's bytes
-    change, the folder of its old bytes goes too, unless another path still has those bytes."""
+    """The SHA-256 of `file`'s bytes. Reading the file takes a while (0.1-0.4 s for SmolLM2's
+    98 MB here, seconds for an 8B model's 5 GB), so each path's hash is kept in the cache's
+    `hashes.json` with the stamp it was taken at (size, mtime, ctime, inode, device), and taken
+    again only when the stamp changes. The change time (ctime) is the part no program can set:
+    a file rewritten in place with its size and mtime put back still gets a new ctime. A stamp
+    less than RACY_SECONDS old is not kept (the file could change again within the same tick of
+    the clock, as git treats a "racily clean" file). When a path's bytes change, the folder of
+    its old bytes goes too, unless another path still has those bytes."""
     file = Path(file).resolve()
     index_file = _cache_root() / "hashes.json"
     try:
@@ -244,7 +252,7 @@ def content_hash(file: Path) -> str:
     except (OSError, ValueError, AttributeError):
         index = {}
     st = file.stat()
-    stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+    stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
     known = index.get(str(file))
     if known and known["stamp"] == stamp:
         return known["sha256"]
@@ -254,7 +262,8 @@ def content_hash(file: Path) -> str:
             sha.update(chunk)
     digest = sha.hexdigest()
     index = {path: e for path, e in index.items() if Path(path).exists()}   # gone venvs
-    index[str(file)] = {"stamp": stamp, "sha256": digest}
+    settled = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_SECONDS * 1e9
+    index[str(file)] = {"stamp": stamp if settled else None, "sha256": digest}
     if known and all(e["sha256"] != known["sha256"] for e in index.values()):
         shutil.rmtree(_cache_root() / f"{file.stem}-{known['sha256'][:12]}", ignore_errors=True)
     try:
