@@ -168,9 +168,10 @@ def figure_file(text) -> Path:
 README_FIGURES = Path(__file__).resolve().parents[1] / "assets"
 
 
-def add_figure_options(parser, what: str) -> None:
-    """--figures DIR and --readme-figures, for a program that draws `what`."""
-    parser.add_argument("--figures", type=output_folder, metavar="DIR",
+def add_figure_options(parser, what: str, aliases=()) -> None:
+    """--figures DIR (or its older names, `aliases`) and --readme-figures, for a program that
+    draws `what`."""
+    parser.add_argument("--figures", *aliases, dest="figures", type=output_folder, metavar="DIR",
                         help=f"folder for {what} (default: a new temporary folder, printed)")
     parser.add_argument("--readme-figures", action="store_true",
                         help=f"redraw {what} in the repository's assets/, the copies the README "

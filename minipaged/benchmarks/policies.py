@@ -39,7 +39,7 @@ def main(argv=None) -> int:
                    help="KV memory in token slots (65,536 = 8 GiB of Llama 3 8B bf16 KV)")
     p.add_argument("--bytes-per-token", type=cli.whole(1),
                    default=simulator.LLAMA3_8B_BF16_BYTES_PER_TOKEN)
-    cli.add_figure_options(p, "the three PNG figures")
+    cli.add_figure_options(p, "the three PNG figures", aliases=["--assets"])
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
     if args.no_plots and (args.figures is not None or args.readme_figures):
