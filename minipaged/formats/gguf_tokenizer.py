@@ -102,8 +102,11 @@ class GGUFTokenizer(Tokenizer):
             raise TokenizerError(f"{name}: tiktoken cannot build this vocabulary ({e})") from None
 
         ids = {k: _token_id(meta, f"tokenizer.ggml.{k}_token_id", self.n_words, name)
-               for k in ("bos", "eos", "padding", "eot", "eom")}
-        self.bos_id, self.eos_id, self.pad_id = ids["bos"], ids["eos"], ids["padding"]
+               for k in ("bos", "eos", "eot", "eom")}
+        self.bos_id, self.eos_id = ids["bos"], ids["eos"]
+        # The padding id is never used here, and some converters write one past the vocabulary.
+        pad = meta.get("tokenizer.ggml.padding_token_id")
+        self.pad_id = pad if isinstance(pad, int) and 0 <= pad < self.n_words else None
         self.chat_template = meta.get("tokenizer.chat_template") or ""
         if not isinstance(self.chat_template, str):
             raise TokenizerError(f"{name}: tokenizer.chat_template must be text, not "
