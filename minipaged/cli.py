@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import MiniPagedError, UsageError
+from .errors import MiniPagedError, OutputError, UsageError
 
 SIGINT_STATUS, SIGPIPE_STATUS = 130, 141        # 128 + the signal's number, as a shell reports
 
@@ -191,20 +191,14 @@ def figures_folder(args, parser) -> Path | None:
 def drawing_folder(folder: Path | None, program: str) -> Path:
     """`folder` (made if need be), or a new temporary folder named after `program`: called
     when the figures are drawn, so a run that fails first leaves no empty folder behind."""
-    from .formats.atomic import write_error
     try:
         if folder is None:
             return Path(tempfile.mkdtemp(prefix=f"minipaged-{program}-"))
         folder.mkdir(exist_ok=True)
         return folder
     except OSError as e:
-        raise write_error(folder or Path(tempfile.gettempdir()), e) from None
-
-
-def save_figure(fig, path: Path, dpi: int = 120) -> None:
-    """Draw `fig` as a PNG at `path`, whole or not at all (a full disk is an OutputError)."""
-    from .formats.atomic import write_file          # (formats imports torch; cli stays light)
-    write_file(path, lambda p: fig.savefig(p, format="png", dpi=dpi))
+        raise OutputError(f"could not make the folder {folder or tempfile.gettempdir()} for "
+                          f"the figures: {e.strerror or e}") from None
 
 
 def _check_writable(folder: Path) -> None:

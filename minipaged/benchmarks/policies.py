@@ -14,13 +14,12 @@ beside the vLLM paper's Figure 2: in a new temporary folder, or the one --figure
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import matplotlib
 import matplotlib.pyplot as plt
 from rich.console import Console
 
 from .. import cli, simulator, viz, workloads
+from ..formats.atomic import write_file
 
 
 @cli.program
@@ -60,7 +59,7 @@ def main(argv=None) -> int:
                    "fragmentation_block_size.png": viz.plot_block_size_sweep(results),
                    "fragmentation_concurrency.png": viz.plot_concurrency(results)}
         for name, fig in figures.items():
-            cli.save_figure(fig, out / name)
+            write_file(out / name, lambda p: fig.savefig(p, format="png", dpi=120))
             plt.close(fig)
             console.print(f"wrote {out / name}")
     return 0

@@ -27,7 +27,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -38,6 +37,7 @@ from ..embedded.train import N_RANKS, embedded_model_args
 from ..engine import Engine
 from ..errors import OutOfBlocksError
 from ..formats import load_model
+from ..formats.atomic import write_file
 from ..generation import generate_static
 from ..kv_cache import ContiguousCache, check_memory, kv_bytes_per_token
 from ..model import Llama
@@ -220,7 +220,7 @@ def main(argv=None):
             title=f"{len(trace)} ShareGPT-like requests (lengths / {args.scale:g}), "
                   f"{torch.get_num_threads()} CPU thread(s)")
         plot = cli.drawing_folder(figures, "serving") / "bench_throughput_vs_budget.png"
-        cli.save_figure(fig, plot)
+        write_file(plot, lambda p: fig.savefig(p, format="png", dpi=120))
         console.print(f"wrote {plot}")
 
 

@@ -492,7 +492,7 @@ def draw(decode, serve, step_parts, threads, n, path):
     fig.suptitle(f"SmolLM2-135M-Instruct on {threads} CPU threads\n"
                  f"(llama.cpp: the F32 file against float32, the F16 file against bfloat16)")
     fig.tight_layout()
-    cli.save_figure(fig, path, dpi=110)
+    write_file(path, lambda p: fig.savefig(p, format="png", dpi=110))
 
 
 def draw_step_parts(ax, step_parts, decode):
