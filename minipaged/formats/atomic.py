@@ -21,6 +21,7 @@ A writer killed after 1 leaves .new- (and maybe .old-): `recover` finishes the r
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import shutil
@@ -29,6 +30,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import OutputError
+
+log = logging.getLogger(__name__)
 
 _TEMPORARY = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>\d+)-\w+")
 _STAGED = re.compile(r"\.(?P<name>.+)\.(?P<kind>new|old)-(?P<pid>\d+)-(?P<token>\w+)")
@@ -105,28 +108,36 @@ def recover(folder: Path) -> list[str]:
         m = _STAGED.fullmatch(entry.name)
         if m and m["name"] == folder.name and not _alive(int(m["pid"])):
             groups.setdefault((m["pid"], m["token"]), {})[m["kind"]] = entry
-    for (pid, token), found in sorted(groups.items()):
-        new, old = found.get("new"), found.get("old")
-        if new is not None:                      # a complete new copy: finish the replacement
-            if folder.exists() or folder.is_symlink():
-                if old is None:                  # killed before the old one was moved away
-                    old = folder.parent / f".{folder.name}.old-{pid}-{token}"
-                    os.rename(folder, old)
-                    steps.append(f"renamed {folder.name} to {old.name}")
-                else:                            # cannot happen: leave it to a person
-                    continue
-            os.rename(new, folder)
-            steps.append(f"renamed {new.name} to {folder.name}")
-        if old is not None:
-            if folder.exists():
-                remove(old)
-                steps.append(f"removed {old.name}")
-            else:                                # the old copy is the only one: put it back
-                os.rename(old, folder)
-                steps.append(f"renamed {old.name} back to {folder.name}")
+    try:
+        for (pid, token), found in sorted(groups.items()):
+            _finish(folder, pid, token, found, steps)
+    except OSError as e:               # a read-only folder, say: leave it for a writer
+        log.warning("could not finish the replacement of %s (%s)", folder, e)
     if steps:
         _fsync(folder.parent)
     return steps
+
+
+def _finish(folder: Path, pid: str, token: str, found: dict, steps: list[str]) -> None:
+    """One killed writer's replacement of `folder`, finished (see `recover`)."""
+    new, old = found.get("new"), found.get("old")
+    if new is not None:                      # a complete new copy: finish the replacement
+        if folder.exists() or folder.is_symlink():
+            if old is None:                  # killed before the old one was moved away
+                old = folder.parent / f".{folder.name}.old-{pid}-{token}"
+                os.rename(folder, old)
+                steps.append(f"renamed {folder.name} to {old.name}")
+            else:                            # cannot happen: leave it to a person
+                return
+        os.rename(new, folder)
+        steps.append(f"renamed {new.name} to {folder.name}")
+    if old is not None:
+        if folder.exists():
+            remove(old)
+            steps.append(f"removed {old.name}")
+        else:                                # the old copy is the only one: put it back
+            os.rename(old, folder)
+            steps.append(f"renamed {old.name} back to {folder.name}")
 
 
 def remove_orphans(folder: Path) -> list[str]:
