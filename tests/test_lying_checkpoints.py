@@ -367,3 +367,22 @@ def test_the_chat_refuses_a_tokenizer_larger_than_its_model(tmp_path):
         .read_bytes())
     result, = run_many("minipaged.chat", [(["--model", folder, "--prompt", "hi"], None)])
     refused(result, "does not belong to the model")
+
+
+def test_the_chat_answers_a_lying_checkpoint_with_one_error_line(tmp_path):
+    from cli_probes import refused, run_many
+    picks = [("tensors not floating point", "int32 embedding"),
+             ("values that shape the model", "gguf negative epsilon"),
+             ("meta file not a dict of tensors", "a list"),
+             ("not a regular file", "a FIFO named .gguf (model)"),
+             ("hf tensors vs config", "q rows not heads x head_dim")]
+    probes, words = [], []
+    for i, (cls, name) in enumerate(picks):
+        d = tmp_path / str(i)
+        d.mkdir()
+        path, _, expected = run(PROBES[cls][name], d)
+        probes.append((["--model", path, "--prompt", "hi"], None))
+        words.append(expected)
+    for result, expected in zip(run_many("minipaged.chat", probes,
+                                         XDG_CACHE_HOME=str(tmp_path / "cache")), words):
+        refused(result, expected)
