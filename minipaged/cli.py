@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import MiniPagedError, UsageError
+from .errors import MiniPagedError, OutputError, UsageError
 
 SIGINT_STATUS, SIGPIPE_STATUS = 130, 141        # 128 + the signal's number, as a shell reports
 
@@ -152,6 +152,53 @@ def output_folder(text) -> Path:
         raise argparse.ArgumentTypeError(f"{path} is a file; give a folder")
     _check_writable(path if path.is_dir() else path.parent)
     return path
+
+
+def figure_file(text) -> Path:
+    """A PNG the program will draw: an `output_file` whose name ends in .png."""
+    path = output_file(text)
+    if path.suffix.lower() != ".png":
+        raise argparse.ArgumentTypeError(f"figures are written as PNG: name the file "
+                                         f"{path.stem}.png, not {path.name}")
+    return path
+
+
+# The figures the README and lessons show: a benchmark redraws them only when asked to with
+# --readme-figures; by default its figures go where the user says, or to a new temporary folder.
+README_FIGURES = Path(__file__).resolve().parents[1] / "assets"
+
+
+def add_figure_options(parser, what: str, aliases=()) -> None:
+    """--figures DIR (or its older names, `aliases`) and --readme-figures, for a program that
+    draws `what`."""
+    parser.add_argument("--figures", *aliases, dest="figures", type=output_folder, metavar="DIR",
+                        help=f"folder for {what} (default: a new temporary folder, printed)")
+    parser.add_argument("--readme-figures", action="store_true",
+                        help=f"redraw {what} in the repository's assets/, the copies the README "
+                             f"and lessons show")
+
+
+def figures_folder(args, parser) -> Path | None:
+    """Where to draw, checked while the arguments are read: --figures, the repository's assets/
+    with --readme-figures (not both), or None for a new temporary folder (`drawing_folder`)."""
+    if args.figures is not None and args.readme_figures:
+        parser.error("give --figures DIR or --readme-figures, not both")
+    if args.readme_figures:
+        return check(parser, "--readme-figures", output_folder, README_FIGURES)
+    return args.figures
+
+
+def drawing_folder(folder: Path | None, program: str) -> Path:
+    """`folder` (made if need be), or a new temporary folder named after `program`: called
+    when the figures are drawn, so a run that fails first leaves no empty folder behind."""
+    try:
+        if folder is None:
+            return Path(tempfile.mkdtemp(prefix=f"minipaged-{program}-"))
+        folder.mkdir(exist_ok=True)
+        return folder
+    except OSError as e:
+        raise OutputError(f"could not make the folder {folder or tempfile.gettempdir()} for "
+                          f"the figures: {e.strerror or e}") from None
 
 
 def _check_writable(folder: Path) -> None:

@@ -35,3 +35,8 @@ class UsageError(MiniPagedError, ValueError):
 
 class TraceError(MiniPagedError):
     """A request trace file (prompt and output lengths) is missing or not in a readable form."""
+
+
+class OutputError(MiniPagedError, OSError):
+    """A file or folder could not be written (a full disk, a read-only folder); what was there
+    before is left as it was and nothing half-written remains."""

@@ -17,7 +17,10 @@ CASES = {   # module: {argv: what the error line names (None: answered)}
         ("--workload", "nope"): ["nope"],
         ("--workload", "BINARY_CSV"): ["cannot read", "UTF-8"],
         ("--workload", "NEGATIVE_CSV"): ["output_len", "-5"],
-        ("--assets", "/proc/figures", "--requests", "50"): ["--assets", "cannot write"],
+        ("--figures", "/proc/figures", "--requests", "50"): ["--figures", "cannot write"],
+        ("--figures", "FIGURES", "--readme-figures"): ["not both"],
+        ("--figures", "FIGURES", "--no-plots"): ["--no-plots"],
+        ("--figures", "DRAWN", "--requests", "50"): None,
         ("--requests", "50", "--no-plots"): None,
     },
     "serving": {
@@ -30,7 +33,8 @@ CASES = {   # module: {argv: what the error line names (None: answered)}
         ("--random-model", "--threads", "0"): ["--threads"],
         ("--random-model", "--budget-rows", "100000000"): ["needs", "available",
                                                            "rows (--budget-rows)"],
-        ("--random-model", "--sweep", "--plot", "/nonexistent/x.png"): ["--plot"],
+        ("--random-model", "--sweep", "--figures", "/nonexistent/x"): ["--figures"],
+        ("--random-model", "--figures", "FIGURES", "--readme-figures"): ["not both"],
         ("--model", "/nonexistent/model"): ["/nonexistent/model"],
         ("--random-model", "--requests", "3", "--budget-rows", "1"): None,
     },
@@ -95,7 +99,8 @@ CASES = {   # module: {argv: what the error line names (None: answered)}
         ("--threads", "0"): ["--threads"],
         ("--new-tokens", "1"): ["--new-tokens"],
         ("--cache-dir", "/proc/llama_cpp"): ["--cache-dir"],
-        ("--plot", "/nonexistent/x.png"): ["--plot", "does not exist"],
+        ("--figures", "/nonexistent/x"): ["--figures", "does not exist"],
+        ("--figures", "FIGURES", "--readme-figures"): ["not both"],
     },
 }
 
@@ -105,7 +110,9 @@ def test_bad_arguments_are_refused_and_small_runs_work(module, tmp_path):
     binary, negative = tmp_path / "binary.csv", tmp_path / "negative.csv"
     binary.write_bytes(b"prompt_len,output_len\n" + bytes(range(128, 256)) * 8)
     negative.write_text("prompt_len,output_len\n10,-5\n")
-    paths = {"BINARY_CSV": binary, "NEGATIVE_CSV": negative}
+    figures = tmp_path / "figures"
+    paths = {"BINARY_CSV": binary, "NEGATIVE_CSV": negative, "FIGURES": figures,
+             "DRAWN": tmp_path / "drawn"}
     cases = CASES[module]
     probes = [([paths.get(a, a) for a in argv], None) for argv in cases]
     assets = digest(ROOT / "assets")       # a probe that runs by mistake may draw over them
@@ -116,4 +123,25 @@ def test_bad_arguments_are_refused_and_small_runs_work(module, tmp_path):
             answered(result)
         else:
             refused(result, *words)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["binary.csv", "negative.csv"]
+    drawn = {"policies": ["drawn"]}.get(module, [])       # the answered --figures run
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["binary.csv", *drawn, "negative.csv"]
+    if drawn:
+        assert sorted(p.name for p in (tmp_path / "drawn").iterdir()) == [
+            "fragmentation_block_size.png", "fragmentation_concurrency.png",
+            "fragmentation_policies.png"]
+
+
+def test_by_default_figures_go_to_a_new_temporary_folder_and_the_run_says_where(tmp_path):
+    """The README's figures in assets/ are redrawn only with --readme-figures."""
+    assets = digest(ROOT / "assets")
+    result = run_many("minipaged.benchmarks.policies", [(["--requests", "50"], None)],
+                      MPLBACKEND="Agg", TMPDIR=str(tmp_path))[0]
+    answered(result)
+    assert digest(ROOT / "assets") == assets
+    (folder,) = tmp_path.iterdir()
+    assert folder.name.startswith("minipaged-policies-")
+    drawn = sorted(p.name for p in folder.iterdir())
+    assert drawn == ["fragmentation_block_size.png", "fragmentation_concurrency.png",
+                     "fragmentation_policies.png"]
+    for name in drawn:
+        assert f"wrote {folder / name}" in result["stdout"]

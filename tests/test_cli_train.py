@@ -31,6 +31,8 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path):
     (other / "notes.txt").write_text("mine")
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
+    empty = tmp_path / "empty"
+    empty.mkdir()
     probes = {   # argv: what the error line names
         ("--steps", "-5"): ["steps", "-5"],
         ("--steps", "0"): ["steps"],
@@ -45,6 +47,14 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path):
         ("--steps", "2", "--out", tmp_path / "x", "--plot", "/nonexistent/loss.png"):
             ["--plot", "does not exist"],
         ("--steps", "2", "--out", tmp_path / "y", "--plot", a_file): ["exists", "--overwrite"],
+        # every target checked before the work, not at the rename after it
+        ("--steps", "2", "--out", empty, "--plot", empty / "curve.svg"): ["PNG", "curve.png"],
+        ("--steps", "2", "--out", tmp_path / "z", "--plot", tmp_path / "z.jpeg"): ["PNG"],
+        ("--steps", "2", "--out", tmp_path / "z", "--plot", tmp_path / "notes"): ["folder"],
+        ("--steps", "2", "--out", ROOT): ["working in", "--out"],      # the probes' cwd
+        ("--steps", "2", "--out", ROOT / "minipaged" / ".."): ["working in"],
+        ("--steps", "2", "--out", "/"): ["mount point"],
+        ("--steps", "2", "--out", "/proc/self"): ["cannot", "/proc"],
     }
     before = [digest(p) for p in SHIPPED] + [digest(other), digest(a_file)]
     start = time.perf_counter()
@@ -53,7 +63,19 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path):
         refused(result, *words)
     assert time.perf_counter() - start < 60                   # none of them trained
     assert [digest(p) for p in SHIPPED] + [digest(other), digest(a_file)] == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "notes"]   # nothing made
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "empty", "notes"]
+    assert list(empty.iterdir()) == []                                        # nothing made
+
+
+def test_out_dot_in_an_empty_folder_is_refused_before_training(tmp_path):
+    """`--out .` cannot be renamed into place (the shell stands in it): said at once."""
+    start = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "minipaged.embedded.train", "--out", ".",
+                        "--steps", "2"], cwd=tmp_path, env=env(PYTHONPATH=str(ROOT)),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and \
+        r.stderr.count("\n") == 1 and "working in" in r.stderr, r.stderr
+    assert time.perf_counter() - start < 60 and list(tmp_path.iterdir()) == []
 
 
 def test_interrupted_or_killed_runs_leave_nothing_and_the_next_run_writes_everything(tmp_path):

@@ -208,7 +208,7 @@ def test_missing_hyperparameter(tmp_path, tiny):
     w = gguf.GGUFWriter(str(path), "llama")
     add_tensor(w, "token_embd.weight", np.zeros((512, 64), np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    with pytest.raises(CheckpointError, match="lacks the metadata key 'llama.attention.head_count'"):
+    with pytest.raises(CheckpointError, match="metadata lacks 'llama.attention.head_count'"):
         load_model(path)
 
 

@@ -27,7 +27,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -38,6 +37,7 @@ from ..embedded.train import N_RANKS, embedded_model_args
 from ..engine import Engine
 from ..errors import OutOfBlocksError
 from ..formats import load_model
+from ..formats.atomic import write_file
 from ..generation import generate_static
 from ..checks import check_memory
 from ..kv_cache import ContiguousCache, kv_bytes_per_token
@@ -183,11 +183,9 @@ def main(argv=None):
     p.add_argument("--seed", type=cli.seed, default=0)
     p.add_argument("--sweep", action="store_true",
                    help="also serve the trace at budgets of 4, 8, 16 and 32 rows and draw it")
-    p.add_argument("--plot", type=cli.output_file,
-                   default=Path("assets/bench_throughput_vs_budget.png"))
+    cli.add_figure_options(p, "--sweep's figure, bench_throughput_vs_budget.png")
     args = p.parse_args(argv)
-    if args.sweep:
-        cli.check(p, "--plot", cli.output_file, args.plot)
+    figures = cli.figures_folder(args, p)
 
     console = Console(width=None if sys.stdout.isatty() else 120)
     torch.set_num_threads(args.threads)
@@ -222,8 +220,9 @@ def main(argv=None):
             [r * max_seq_len * per_token for r in rows_list], [sweep[r] for r in rows_list],
             title=f"{len(trace)} ShareGPT-like requests (lengths / {args.scale:g}), "
                   f"{torch.get_num_threads()} CPU thread(s)")
-        fig.savefig(args.plot, dpi=120)
-        console.print(f"wrote {args.plot}")
+        plot = cli.drawing_folder(figures, "serving") / "bench_throughput_vs_budget.png"
+        write_file(plot, lambda p: fig.savefig(p, format="png", dpi=120))
+        console.print(f"wrote {plot}")
 
 
 def add_model_options(p) -> None:

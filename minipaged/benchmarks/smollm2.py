@@ -36,7 +36,8 @@ Measured:
     max_batch_tokens), so short prompts are prefilled together; llama.cpp serves the requests
     one after another.
 
-The ratios the engine is judged by are printed under the tables, and drawn to --plot.
+The ratios the engine is judged by are printed under the tables and drawn in a new temporary
+folder (or --figures DIR; --readme-figures redraws the README's copy in assets/).
 """
 
 from __future__ import annotations
@@ -308,8 +309,9 @@ def main(argv=None):
     p.add_argument("--cache-dir", type=cache_folder,
                    default=Path.home() / ".cache" / "minipaged" / "llama_cpp",
                    help="where llama.cpp's converted files are kept")
-    p.add_argument("--plot", type=cli.output_file, default=Path("assets/smollm2_engines.png"))
+    cli.add_figure_options(p, "the figure, smollm2_engines.png")
     args = p.parse_args(argv)
+    figures = cli.figures_folder(args, p)
     cli.check(p, "--cache-dir", cache_folder, args.cache_dir)     # the default, too
     console = Console()
     n, threads = args.new_tokens, args.threads
@@ -379,8 +381,9 @@ def main(argv=None):
         model = fast = hf = peer = None          # free this dtype's copies before the next
     for line in notes:
         console.print(line)
-    draw(decode, serve, step_parts, threads, n, args.plot)
-    console.print(f"plot: {args.plot}")
+    plot = cli.drawing_folder(figures, "smollm2") / "smollm2_engines.png"
+    draw(decode, serve, step_parts, threads, n, plot)
+    console.print(f"plot: {plot}")
 
 
 def decode_table(rates, dtype_name, n, weight_bytes, bandwidth, repeats):
@@ -492,7 +495,7 @@ def draw(decode, serve, step_parts, threads, n, path):
     fig.suptitle(f"SmolLM2-135M-Instruct on {threads} CPU threads\n"
                  f"(llama.cpp: the F32 file against float32, the F16 file against bfloat16)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_file(path, lambda p: fig.savefig(p, format="png", dpi=110))
 
 
 def draw_step_parts(ax, step_parts, decode):

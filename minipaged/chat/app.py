@@ -31,7 +31,7 @@ from rich.panel import Panel
 
 from .. import cli
 from ..errors import MiniPagedError, OutOfBlocksError
-from ..formats import load_model, load_tokenizer
+from ..formats import check_pair, load_model, load_tokenizer
 from ..fragmentation import measure_contiguous, measure_paged
 from ..kv_budget import bytes_per_block
 from ..sizing import pool_blocks
@@ -73,6 +73,7 @@ def load(args):
     path = model_path(args.model)
     model = load_model(path, dtype=getattr(torch, args.dtype))
     tokenizer = load_tokenizer(path)
+    check_pair(model, tokenizer)
     cache = make_chat_cache(model, args.cache, args.block_size, args.kv_budget)
     return Conversation(model, tokenizer, cache, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed,

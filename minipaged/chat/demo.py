@@ -15,7 +15,7 @@ from rich.live import Live
 from rich.markup import escape
 
 from ..api import Engine
-from ..formats import chat_format, load_model, load_tokenizer
+from ..formats import chat_format, check_pair, load_model, load_tokenizer
 from ..sizing import pool_blocks
 from ..viz.pool import seq_color
 from ..viz.terminal import pool_grid, stats_table
@@ -38,6 +38,7 @@ def run_demo(args, console) -> int:
     path = model_path(args.model)
     model = load_model(path, dtype=getattr(torch, args.dtype))
     tokenizer = load_tokenizer(path)
+    check_pair(model, tokenizer)
     fmt = chat_format(tokenizer)
     prefix, opening, closing = format_pieces(fmt, args.system)
     # Room for every conversation's two turns, or less if --kv-budget holds less (the engine

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,30 +82,72 @@ def evaluate(model, stream: torch.Tensor, seq_len: int, max_windows: int = 64) -
     return sum(losses) / len(losses)
 
 
+def _writable(folder: Path) -> str | None:
+    """None if a file can be made in `folder`, else why not."""
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".minipaged-write-test-")
+        os.close(fd)
+        os.remove(name)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def output_bytes() -> int:
+    """About what a run writes: the bf16 weights, the tokenizer, the plot, with room to spare."""
+    args = embedded_model_args(N_RANKS + 256)
+    d, h, layers = args.dim, args.hidden_dim, args.n_layers
+    kv = args.n_kv_heads * args.head_dim
+    params = args.vocab_size * d + layers * (2 * d * d + 2 * d * kv + 3 * d * h + 2 * d) + d
+    return 2 * params + (4 << 20)
+
+
 def check_outputs(out_dir: Path, plot_path: Path | None, overwrite: bool) -> None:
     """Refuse, before any work, outputs that cannot be written, or that would replace files
-    without `overwrite`."""
+    without `overwrite`. The folder is written beside itself and renamed into place, so the
+    folder that holds it must take new files, and it cannot be the one a shell stands in."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"{out_dir} is a file; the model is written as a folder")
+    out_dir = out_dir.resolve()
+    if out_dir == Path(out_dir.anchor) or os.path.ismount(out_dir):
+        raise UsageError(f"{out_dir} is a mount point, which cannot be replaced; write the model "
+                         f"to a new folder inside it with --out")
+    if out_dir == Path.cwd().resolve() or out_dir in Path.cwd().resolve().parents:
+        raise UsageError(f"{out_dir} is the folder you are working in, which the model cannot "
+                         f"replace; name a new folder with --out (e.g. --out my-model)")
     for path in (out_dir, plot_path):
-        if path is not None and path.parent != out_dir and not path.parent.is_dir():
+        if path is None or path.resolve().parent == out_dir:
+            continue
+        if not path.parent.is_dir():
             raise UsageError(f"cannot write {path}: the folder {path.parent} does not exist")
+        if (why := _writable(path.parent)) is not None:
+            raise UsageError(f"cannot write {path}: the folder {path.parent} takes no new "
+                             f"files ({why})")
     held = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
     foreign = [name for name in held if name not in OUTPUTS]
     if foreign:                           # --overwrite replaces a model, never other files
         raise UsageError(f"{out_dir} holds files this trainer does not write ("
                          f"{', '.join(foreign[:4])}{' ...' if len(foreign) > 4 else ''}); "
                          f"write the model to a new or empty folder with --out")
-    if overwrite:
-        return
-    if held:
-        what = "the shipped model" if out_dir.resolve() == DEFAULT_MODEL_DIR.resolve() else \
+    if held and not overwrite:
+        what = "the shipped model" if out_dir == DEFAULT_MODEL_DIR.resolve() else \
             ", ".join(held[:4]) + (" ..." if len(held) > 4 else "")
         raise UsageError(f"{out_dir} already holds {what}; pass --overwrite (overwrite=True) to "
                          f"replace it, or write the new model to another folder with --out")
-    if plot_path is not None and plot_path.parent != out_dir and plot_path.exists():
-        raise UsageError(f"{plot_path} exists; pass --overwrite (overwrite=True) to replace it, "
-                         f"or name another file with --plot")
+    if plot_path is not None:
+        if plot_path.is_dir():
+            raise UsageError(f"{plot_path} is a folder; the loss curve is a file (a .png)")
+        if not overwrite and plot_path.resolve().parent != out_dir and plot_path.exists():
+            raise UsageError(f"{plot_path} exists; pass --overwrite (overwrite=True) to replace "
+                             f"it, or name another file with --plot")
+        if plot_path.suffix.lower() != ".png":
+            raise UsageError(f"the loss curve is written as a PNG: name the file {plot_path.stem}"
+                             f".png, not {plot_path.name}")
+    free = shutil.disk_usage(out_dir.parent).free
+    if free < output_bytes():
+        raise UsageError(f"{out_dir.parent} has {free / 2**20:.1f} MiB free, and the model needs "
+                         f"about {output_bytes() / 2**20:.0f} MiB; free some space or write "
+                         f"elsewhere with --out")
 
 
 def train(out_dir: Path = DEFAULT_MODEL_DIR, steps: int = 450, batch_size: int = 24,
@@ -128,8 +173,8 @@ def train(out_dir: Path = DEFAULT_MODEL_DIR, steps: int = 450, batch_size: int =
                                                     seed, threads)
         if plot_path is not None:        # written before the folder is renamed into place
             fig = plot_loss_curve(history, report)
-            if plot_path.parent == out_dir:
-                fig.savefig(staging / plot_path.name, dpi=120)
+            if plot_path.resolve().parent == out_dir.resolve():
+                fig.savefig(staging / plot_path.name, format="png", dpi=120)
             else:
                 write_file(plot_path, lambda p: fig.savefig(p, format="png", dpi=120))
     return model, tokenizer, report

@@ -60,15 +60,17 @@ def _llama3_stop_tokens(vocab_size):
 
 
 REQUIRED = object()      # `setting(...)`'s default for a key with no safe default
+LARGEST = 2**31 - 1      # no size of a Llama comes near it; past it, products of sizes overflow
 KINDS = {
-    "count": ("a whole number of at least 1",
-              lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+    "count": (f"a whole number from 1 to {LARGEST:,}",
+              lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= LARGEST),
     "number": ("a positive number", lambda v: isinstance(v, (int, float))
                and not isinstance(v, bool) and math.isfinite(v) and v > 0),
     "flag": ("true or false", lambda v: isinstance(v, bool)),
     "token ids": ("a token id or a list of them", lambda v: all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= LARGEST
         for t in (v if isinstance(v, list) else [v]))),
+    "text": ("a string", lambda v: isinstance(v, str)),
 }
 
 
@@ -92,6 +94,51 @@ def model_args(source, **fields) -> ModelArgs:
         return ModelArgs(**fields)
     except UsageError as e:
         raise CheckpointError(f"{source}: {e}") from None
+
+
+def check_args(args: ModelArgs, source) -> ModelArgs:
+    """The values that shape the computation, whatever format they came from, checked where
+    the model would otherwise run with them and answer nonsense (a negative RMS epsilon gives
+    NaN, then the same token over and over) or fail deep inside a forward pass."""
+    def refuse(what):
+        raise CheckpointError(f"{source}: {what}; this checkpoint cannot be right")
+
+    def finite(value):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+            math.isfinite(value)
+
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim",
+                 "max_seq_len", "rope_original_max_len"):
+        value = getattr(args, name)
+        if not KINDS["count"][1](value):
+            refuse(f"{name} is {value!r}, not {KINDS['count'][0]}")
+    if args.head_dim % 2:
+        refuse(f"the head size dim / n_heads = {args.dim} / {args.n_heads} = {args.head_dim} "
+               f"is odd, and rotary embeddings turn pairs of numbers")
+    if not (finite(args.norm_eps) and 0 < args.norm_eps < 1):
+        refuse(f"the RMS norm epsilon is {args.norm_eps!r}; it must be a small positive number "
+               f"(Llama 3: 1e-05)")
+    if not (finite(args.rope_theta) and args.rope_theta > 1):
+        refuse(f"the rope base (theta) is {args.rope_theta!r}; it must be a number above 1 "
+               f"(Llama 3: 500000)")
+    if args.use_scaled_rope:
+        for name in ("rope_scale_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            if not (finite(getattr(args, name)) and getattr(args, name) > 0):
+                refuse(f"{name} is {getattr(args, name)!r}, not a positive number")
+        if not args.rope_high_freq_factor > args.rope_low_freq_factor:
+            refuse(f"the rope scaling's high_freq_factor ({args.rope_high_freq_factor}) must be "
+                   f"above its low_freq_factor ({args.rope_low_freq_factor})")
+    factors = args.rope_freq_factors
+    if factors is not None and not (len(factors) == args.head_dim // 2 and
+                                    all(finite(f) and f > 0 for f in factors)):
+        refuse(f"the rope frequency factors must be {args.head_dim // 2} positive numbers")
+    wrong = [t for t in args.stop_tokens or [] if not (isinstance(t, int) and not
+                                                        isinstance(t, bool) and
+                                                        0 <= t < args.vocab_size)]
+    if wrong:
+        refuse(f"the stop token {wrong[0]!r} is not an id of its vocabulary of "
+               f"{args.vocab_size:,}")
+    return args
 
 
 def _settings(data, source) -> dict:
@@ -189,6 +236,11 @@ def read_meta(folder: Path):
         state = torch.load(shards[0], map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
         raise CheckpointError(f"could not read {shards[0]} as a PyTorch checkpoint: {e}") from None
+    if not (isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                            for k, v in state.items())):
+        raise CheckpointError(f"{shards[0]} holds a {type(state).__name__}"
+                              f"{'' if not isinstance(state, dict) else ' with values that are not tensors'}"
+                              f", not the dict of named tensors a Meta checkpoint is")
     state.pop("rope.freqs", None)   # older Meta files carry the rotary table; we compute it
     return args, state
 
@@ -221,10 +273,13 @@ def read_hf(folder: Path):
             inner = ".".join(parts[3:-1])
             if inner not in _HF_LAYER_NAMES:
                 raise CheckpointError(f"unexpected tensor {key!r} in {folder}: not a Llama weight")
-            if inner == "self_attn.q_proj":
-                w = hf_to_meta_rows(w, args.n_heads)
-            elif inner == "self_attn.k_proj":
-                w = hf_to_meta_rows(w, args.n_kv_heads)
+            if inner in ("self_attn.q_proj", "self_attn.k_proj") and parts[-1] == "weight":
+                heads = args.n_heads if inner == "self_attn.q_proj" else args.n_kv_heads
+                if tuple(w.shape) != (heads * args.head_dim, args.dim):   # before reordering
+                    raise CheckpointError(
+                        f"{folder}: tensor {key} has shape {tuple(w.shape)}, but config.json "
+                        f"implies {(heads * args.head_dim, args.dim)}")
+                w = hf_to_meta_rows(w, heads)
             state[f"layers.{parts[2]}.{_HF_LAYER_NAMES[inner]}.{parts[-1]}"] = w
         elif ".".join(parts[:-1]) in _HF_TOP_NAMES:
             state[f"{_HF_TOP_NAMES['.'.join(parts[:-1])]}.{parts[-1]}"] = w

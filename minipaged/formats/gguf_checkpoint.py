@@ -18,7 +18,7 @@ Dequantizing takes seconds and parsing the metadata (every token and merge as a 
 more, so both are cached after the first load, in one folder per GGUF file's bytes:
 
     $XDG_CACHE_HOME/minipaged/gguf/           (default ~/.cache/minipaged/gguf/)
-        hashes.json                      each path's SHA-256, with its size, mtime and inode
+        hashes.json                      each path's SHA-256, with its size, times and inode
         <name>-<SHA-256 of the bytes>/
             source.json                  the cache's format, written once metadata.json is
             metadata.json                the metadata and tensor shapes
@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -49,8 +50,8 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError
 from ..model import ModelArgs
-from .atomic import remove_orphans, write_file
-from .checkpoint import model_args
+from .atomic import remove, remove_orphans, write_file
+from .checkpoint import REQUIRED, model_args, setting
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +95,14 @@ def find_gguf(path) -> Path | None:
     path = Path(path).expanduser()
     if path.is_file():
         return path if path.suffix == ".gguf" else None
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path} is not a regular file (a pipe, a device or a socket); "
+                              "give a .gguf file, or the folder that holds a checkpoint")
     files = sorted(path.glob("*.gguf")) if path.is_dir() else []
     if len(files) > 1:
         raise CheckpointError(f"{path} holds {len(files)} .gguf files "
                               f"({', '.join(f.name for f in files[:4])}); give the one to load")
-    return files[0] if files else None
+    return find_gguf(files[0]) if files else None
 
 
 # -- reading the file -------------------------------------------------------------------------
@@ -159,51 +163,59 @@ def meta_name(name: str) -> str:
 
 
 def args_from_gguf(meta: dict, source="the GGUF file") -> ModelArgs:
-    """The hyper-parameters in a GGUF's metadata -> ModelArgs (stop tokens included)."""
+    """The hyper-parameters in a GGUF's metadata -> ModelArgs (stop tokens included). Every
+    value is checked to be of its kind (a CheckpointError names the key); absent optional keys
+    take llama.cpp's defaults."""
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise CheckpointError(f"{source} holds a {arch!r} model; minipaged loads the 'llama' "
                               "architecture only (Llama 2/3, SmolLM2, ...)")
+    where = f"{source}: metadata"
 
-    def need(key):
-        if key not in meta:
-            raise CheckpointError(f"{source} lacks the metadata key {key!r}")
-        return meta[key]
+    def value(key, kind, default=REQUIRED):
+        return setting(meta, key, kind, where, default)
 
     if meta.get("llama.expert_count"):
-        raise CheckpointError(f"{source} is a mixture of experts ({meta['llama.expert_count']} "
+        raise CheckpointError(f"{source} is a mixture of experts ({meta['llama.expert_count']!r} "
                               "experts); minipaged implements dense Llama models only")
-    n_heads = need("llama.attention.head_count")
+    n_heads = value("llama.attention.head_count", "count")
     n_kv_heads = meta.get("llama.attention.head_count_kv", n_heads)
     if isinstance(n_kv_heads, list):      # some files list it per layer
-        if len(set(n_kv_heads)) != 1:
+        if len(set(map(repr, n_kv_heads))) != 1:
             raise CheckpointError(f"{source} varies the number of KV heads across layers; "
                                   "minipaged needs one value")
         n_kv_heads = n_kv_heads[0]
+    n_kv_heads = setting({"llama.attention.head_count_kv": n_kv_heads},
+                         "llama.attention.head_count_kv", "count", where)
     tensors = meta["tensors"]
     embedding = tensors.get("token_embd.weight", {}).get("shape", [None])
+    vocab_size = value("llama.vocab_size", "count", None) or embedding[0]
+    if vocab_size is None:
+        raise CheckpointError(f"{source} gives no vocabulary size: no llama.vocab_size and no "
+                              "token_embd tensor")
     args = model_args(
-        source, dim=need("llama.embedding_length"), n_layers=need("llama.block_count"),
-        n_heads=n_heads, n_kv_heads=n_kv_heads,
-        vocab_size=meta.get("llama.vocab_size") or embedding[0],
-        hidden_dim=need("llama.feed_forward_length"),
-        norm_eps=meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=meta.get("llama.rope.freq_base", 10000.0),
-        max_seq_len=meta.get("llama.context_length", 8192),
+        source, dim=value("llama.embedding_length", "count"),
+        n_layers=value("llama.block_count", "count"),
+        n_heads=n_heads, n_kv_heads=n_kv_heads, vocab_size=vocab_size,
+        hidden_dim=value("llama.feed_forward_length", "count"),
+        norm_eps=value("llama.attention.layer_norm_rms_epsilon", "number", 1e-5),
+        rope_theta=value("llama.rope.freq_base", "number", 10000.0),
+        max_seq_len=value("llama.context_length", "count", 8192),
         tie_word_embeddings="output.weight" not in tensors,
     )
     for key in ("llama.rope.dimension_count", "llama.attention.key_length",
                 "llama.attention.value_length"):
-        if meta.get(key, args.head_dim) != args.head_dim:
+        if value(key, "count", args.head_dim) != args.head_dim:
             raise CheckpointError(f"{source} says {key} = {meta[key]}, but embedding_length / "
                                   f"head_count is {args.head_dim}; minipaged needs them equal")
-    scaling = meta.get("llama.rope.scaling.type", "none")
+    scaling = value("llama.rope.scaling.type", "text", "none")
     if scaling == "linear":               # positions divided by the factor = frequencies too
-        args.rope_freq_factors = [float(meta["llama.rope.scaling.factor"])] * (args.head_dim // 2)
+        factor = value("llama.rope.scaling.factor", "number")
+        args.rope_freq_factors = [float(factor)] * (args.head_dim // 2)
     elif scaling != "none":
         raise CheckpointError(f"{source} asks for rope scaling {scaling!r}; minipaged "
                               "implements none, linear, and Llama 3's (a rope_freqs tensor)")
-    stops = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    stops = [value(f"tokenizer.ggml.{k}_token_id", "token ids", None) for k in ("eos", "eot", "eom")]
     args.stop_tokens = list(dict.fromkeys(t for t in stops if t is not None))
     return args
 
@@ -220,11 +232,18 @@ def cache_dir(file: Path) -> Path:
     return _cache_root() / f"{Path(file).stem}-{content_hash(file)[:12]}"
 
 
+RACY_SECONDS = 2.0     # a file changed this recently may change again within its timestamps' tick
+
+
 def content_hash(file: Path) -> str:
-    """The SHA-256 of `file`'s bytes. Reading the file takes a moment (0.07 s for SmolLM2's
-    98 MB), so each path's hash is kept in the cache's `hashes.json` with the size, mtime and
-    inode it was taken at, and taken again only when one of them changes. When a path's bytes
-    change, the folder of its old bytes goes too, unless another path still has those bytes."""
+    """The SHA-256 of `file`'s bytes. Reading the file takes a while (0.1-0.4 s for SmolLM2's
+    98 MB here, seconds for an 8B model's 5 GB), so each path's hash is kept in the cache's
+    `hashes.json` with the stamp it was taken at (size, mtime, ctime, inode, device), and taken
+    again only when the stamp changes. The change time (ctime) is the part no program can set:
+    a file rewritten in place with its size and mtime put back still gets a new ctime. A stamp
+    less than RACY_SECONDS old is not kept (the file could change again within the same tick of
+    the clock, as git treats a "racily clean" file). When a path's bytes change, the folder of
+    its old bytes goes too, unless another path still has those bytes."""
     file = Path(file).resolve()
     index_file = _cache_root() / "hashes.json"
     try:
@@ -233,7 +252,7 @@ def content_hash(file: Path) -> str:
     except (OSError, ValueError, AttributeError):
         index = {}
     st = file.stat()
-    stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+    stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
     known = index.get(str(file))
     if known and known["stamp"] == stamp:
         return known["sha256"]
@@ -243,7 +262,8 @@ def content_hash(file: Path) -> str:
             sha.update(chunk)
     digest = sha.hexdigest()
     index = {path: e for path, e in index.items() if Path(path).exists()}   # gone venvs
-    index[str(file)] = {"stamp": stamp, "sha256": digest}
+    settled = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_SECONDS * 1e9
+    index[str(file)] = {"stamp": stamp if settled else None, "sha256": digest}
     if known and all(e["sha256"] != known["sha256"] for e in index.values()):
         shutil.rmtree(_cache_root() / f"{file.stem}-{known['sha256'][:12]}", ignore_errors=True)
     try:
@@ -252,6 +272,51 @@ def content_hash(file: Path) -> str:
     except OSError as e:
         log.warning("could not write %s (%s); %s will be hashed again", index_file, e, file)
     return digest
+
+
+def _cached_metadata(folder: Path) -> dict | None:
+    """The metadata a complete cache folder holds, or None (absent, or damaged: then the
+    folder is marked incomplete, to be written afresh)."""
+    if not _cache_valid(folder):
+        return None
+    try:
+        meta = json.loads((folder / "metadata.json").read_text())
+        if isinstance(meta, dict) and isinstance(meta.get("tensors"), dict) and all(
+                isinstance(t, dict) and isinstance(t.get("shape"), list)
+                for t in meta["tensors"].values()):
+            return meta
+        problem = "it does not hold a GGUF file's metadata"
+    except (OSError, ValueError) as e:
+        problem = str(e)
+    _damaged(folder, folder / "metadata.json", problem)
+    return None
+
+
+def _damaged(folder: Path, file: Path, problem: str) -> None:
+    log.warning("ignoring the damaged cache %s (%s); the GGUF file is read again", file, problem)
+    try:
+        (folder / "source.json").unlink(missing_ok=True)     # not complete: written afresh
+    except OSError:
+        pass
+
+
+def _cached_weights(folder: Path, file: Path, meta: dict, dtype) -> dict | None:
+    """The cached weights of `dtype`, if they are there and are the tensors `meta` lists."""
+    weights = folder / f"weights-{_dtype_name(dtype)}.safetensors"
+    if not weights.is_file():
+        return None
+    try:
+        state = load_file(weights)
+    except Exception as e:            # a damaged cache file: read the GGUF again
+        _damaged(folder, weights, str(e))
+        return None
+    expected = {meta_name(name): tuple(t["shape"]) for name, t in meta["tensors"].items()}
+    found = {name: tuple(w.shape) for name, w in state.items()}
+    if found != expected or any(w.dtype != (torch.float32 if name == "rope_freqs.weight"
+                                            else dtype) for name, w in state.items()):
+        _damaged(folder, weights, "its tensors are not the GGUF file's")
+        return None
+    return state
 
 
 def _cache_valid(folder: Path) -> bool:
@@ -268,7 +333,7 @@ def _save_cache(file: Path, folder: Path, meta: dict, state: dict | None = None,
         if not _cache_valid(folder):      # a new file: start the folder afresh
             folder.mkdir(parents=True, exist_ok=True)
             for old in folder.iterdir():
-                old.unlink()
+                remove(old)
             write_file(folder / "metadata.json", lambda p: Path(p).write_text(json.dumps(meta)))
             write_file(folder / "source.json",
                        lambda p: Path(p).write_text(json.dumps({"format": CACHE_FORMAT})))
@@ -289,11 +354,8 @@ def gguf_metadata(file) -> dict:
     _check_magic(Path(file))
     file, folder = Path(file), cache_dir(file)
     remove_orphans(folder)
-    if _cache_valid(folder):
-        try:
-            return json.loads((folder / "metadata.json").read_text())
-        except (OSError, ValueError):
-            pass
+    if (meta := _cached_metadata(folder)) is not None:
+        return meta
     meta = _read_metadata(_open(file))
     _save_cache(file, folder, meta)
     return meta
@@ -306,14 +368,15 @@ def read_gguf(file, dtype=None):
     file, folder = Path(file), cache_dir(file)
     dtype = dtype or torch.float32
     remove_orphans(folder)
-    weights = folder / f"weights-{_dtype_name(dtype)}.safetensors"
-    if _cache_valid(folder) and weights.is_file():
+    meta = _cached_metadata(folder)
+    if meta is not None:
         try:
-            state = load_file(weights)
-        except Exception as e:            # a damaged cache file: read the GGUF again
-            log.warning("ignoring the damaged cache %s (%s)", weights, e)
+            args = args_from_gguf(meta, file)
+        except CheckpointError as e:      # the file's fault, or the cache's: ask the file
+            _damaged(folder, folder / "metadata.json", str(e))
         else:
-            return _with_rope_factors(args_from_gguf(gguf_metadata(file), file), state)
+            if (state := _cached_weights(folder, file, meta, dtype)) is not None:
+                return _with_rope_factors(args, state)
     reader = _open(file)
     meta = _read_metadata(reader)
     args = args_from_gguf(meta, file)

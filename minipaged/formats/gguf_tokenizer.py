@@ -73,11 +73,10 @@ class GGUFTokenizer(Tokenizer):
                 f"{name} has a {kind!r} tokenizer; minipaged reads byte-level BPE ('gpt2': "
                 "Llama 3, SmolLM2, ...), not SentencePiece ('llama': Llama 1/2, Mistral)")
         pre = meta.get("tokenizer.ggml.pre", "default")
-        if pre not in PRETOKENIZER_PATTERNS:
+        if not isinstance(pre, str) or pre not in PRETOKENIZER_PATTERNS:
             raise TokenizerError(f"{name} splits text with the pre-tokenizer {pre!r}, which "
                                  f"minipaged does not know; known: {', '.join(PRETOKENIZER_PATTERNS)}")
-        tokens = meta["tokenizer.ggml.tokens"]
-        types = meta.get("tokenizer.ggml.token_type") or [NORMAL_TOKEN] * len(tokens)
+        tokens, types = _vocabulary(meta, name)
         byte_of = {ch: b for b, ch in gpt2_byte_spelling().items()}
         ranks, self.special_tokens = {}, {}
         for i, (token, kind) in enumerate(zip(tokens, types)):
@@ -87,23 +86,42 @@ class GGUFTokenizer(Tokenizer):
                 self.special_tokens[token] = i
         _check_merge_order(meta.get("tokenizer.ggml.merges"), tokens, name)
         self.n_words = len(tokens)
+        if len(ranks) + len(self.special_tokens) != self.n_words:
+            raise TokenizerError(f"{name}: tokenizer.ggml.tokens spells some tokens twice; "
+                                 "each id needs a token of its own")
         # tiktoken needs every byte as a token. A vocabulary trained without some bytes (SmolLM2
         # lacks 21, e.g. \x04) drops them from the text, as Hugging Face and llama.cpp do: give
         # them ids past the vocabulary and remove those ids after encoding.
         missing = [bytes([b]) for b in range(256) if bytes([b]) not in ranks]
         ranks.update({b: self.n_words + k for k, b in enumerate(missing)})
-        self.model = tiktoken.Encoding(name=name, pat_str=PRETOKENIZER_PATTERNS[pre],
-                                       mergeable_ranks=ranks, special_tokens=self.special_tokens)
+        try:
+            self.model = tiktoken.Encoding(name=name, pat_str=PRETOKENIZER_PATTERNS[pre],
+                                           mergeable_ranks=ranks,
+                                           special_tokens=self.special_tokens)
+        except ValueError as e:
+            raise TokenizerError(f"{name}: tiktoken cannot build this vocabulary ({e})") from None
 
-        self.bos_id = meta.get("tokenizer.ggml.bos_token_id")
-        self.eos_id = meta.get("tokenizer.ggml.eos_token_id")
-        self.pad_id = meta.get("tokenizer.ggml.padding_token_id")
+        ids = {k: _token_id(meta, f"tokenizer.ggml.{k}_token_id", self.n_words, name)
+               for k in ("bos", "eos", "eot", "eom")}
+        self.bos_id, self.eos_id = ids["bos"], ids["eos"]
+        # The padding id is never used here, and some converters write one past the vocabulary.
+        pad = meta.get("tokenizer.ggml.padding_token_id")
+        self.pad_id = pad if isinstance(pad, int) and 0 <= pad < self.n_words else None
         self.chat_template = meta.get("tokenizer.chat_template") or ""
+        if not isinstance(self.chat_template, str):
+            raise TokenizerError(f"{name}: tokenizer.chat_template must be text, not "
+                                 f"{self.chat_template!r:.60}")
         self.chat_format_class = _chat_format_class(self.chat_template)
+        lacking = [t for t in CONTROL_TOKENS.get(self.chat_format_class, ())
+                   if t not in self.special_tokens]
+        if lacking:
+            raise TokenizerError(f"{name}: the chat template writes {', '.join(lacking)}, which "
+                                 f"the vocabulary lacks (or holds as ordinary text); the "
+                                 f"template and the tokens do not belong together")
         # The end-of-turn token: the one the template closes each message with.
         turn_end = {ChatFormat: "<|eot_id|>", ChatMLFormat: "<|im_end|>"}.get(self.chat_format_class)
-        self.eot_id = self.special_tokens.get(turn_end, meta.get("tokenizer.ggml.eot_token_id"))
-        stops = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        self.eot_id = self.special_tokens.get(turn_end, ids["eot"])
+        stops = [ids[k] for k in ("eos", "eot", "eom")]
         self.stop_tokens = list(dict.fromkeys(t for t in [*stops, self.eot_id] if t is not None))
 
     def encode(self, s, bos=False, eos=False):
@@ -111,11 +129,38 @@ class GGUFTokenizer(Tokenizer):
         return [i for i in super().encode(s, bos=bos, eos=eos) if i < self.n_words]
 
 
+def _vocabulary(meta, name):
+    """The tokens (strings) and their types (ints), checked to be lists of one length."""
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not (isinstance(tokens, list) and tokens and all(isinstance(t, str) for t in tokens)):
+        raise TokenizerError(f"{name}: tokenizer.ggml.tokens must be a non-empty list of "
+                             f"strings, not {tokens!r:.60}")
+    types = meta.get("tokenizer.ggml.token_type") or [NORMAL_TOKEN] * len(tokens)
+    if not (isinstance(types, list) and len(types) == len(tokens) and
+            all(isinstance(t, int) and not isinstance(t, bool) for t in types)):
+        raise TokenizerError(f"{name}: tokenizer.ggml.token_type must be one whole number per "
+                             f"token ({len(tokens):,} of them)")
+    return tokens, types
+
+
+def _token_id(meta, key, n_words, name):
+    """An optional token id of the vocabulary (None if absent)."""
+    value = meta.get(key)
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool)
+                                  and 0 <= value < n_words):
+        raise TokenizerError(f"{name}: {key} is {value!r:.40}, not an id of its vocabulary "
+                             f"of {n_words:,} tokens")
+    return value
+
+
 def _check_merge_order(merges, tokens, name):
     """tiktoken merges by rank; the file's merges must produce tokens in id order for the ids
     to serve as ranks."""
     if not merges:
         return
+    if not (isinstance(merges, list) and all(isinstance(m, str) for m in merges)):
+        raise TokenizerError(f"{name}: tokenizer.ggml.merges must be a list of strings "
+                             f"('a b': a pair to merge)")
     ids = {t: i for i, t in enumerate(tokens)}
     made = [ids.get("".join(m.split(" ", 1)), -1) for m in merges]
     if min(made) < 0 or any(a >= b for a, b in zip(made, made[1:])):
@@ -169,6 +214,12 @@ class ChatMLFormat:
         for message in dialog:
             ids += self.encode_message(message)
         return ids + [self.im_start] + self.tokenizer.encode("assistant\n")
+
+
+# The control tokens each chat format writes: a template that names a format whose tokens the
+# vocabulary lacks is refused when the tokenizer is read, not at the first message.
+CONTROL_TOKENS = {ChatFormat: ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+                  ChatMLFormat: ("<|im_start|>", "<|im_end|>")}
 
 
 def load_gguf_tokenizer(file) -> GGUFTokenizer:

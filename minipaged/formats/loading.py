@@ -17,7 +17,8 @@ import torch
 
 from ..errors import CheckpointError, TokenizerError, UsageError
 from ..model import Llama
-from .checkpoint import read_hf, read_meta
+from .atomic import recover
+from .checkpoint import check_args, read_hf, read_meta
 from .gguf_checkpoint import find_gguf, read_gguf
 from .gguf_tokenizer import load_gguf_tokenizer
 from .tokenizer import Tokenizer
@@ -35,6 +36,7 @@ def load_model(path=None, device="cpu", dtype=None) -> Llama:
     """
     check_device(device, dtype)        # before reading anything: a checkpoint may be large
     folder = Path(path).expanduser() if path is not None else DEFAULT_MODEL_DIR
+    recover(folder)                   # a writer killed while replacing it: finish its renames
     if not folder.exists():
         raise CheckpointError(f"no such file or folder: {folder}")
     if not folder.is_dir() and folder.suffix != ".gguf":
@@ -53,6 +55,7 @@ def load_model(path=None, device="cpu", dtype=None) -> Llama:
             f"{folder} holds no checkpoint minipaged can read: expected params.json + "
             f"consolidated.00.pth (Meta), config.json + *.safetensors (Hugging Face) or a .gguf "
             f"file; found {found}")
+    check_args(args, f"{folder} ({config_name})")
     with torch.device("meta"):        # shapes only, no memory: the real tensors come next
         model = Llama(args)
     _check_state(state, model, folder, config_name)
@@ -83,6 +86,10 @@ def _check_state(state: dict, model: Llama, folder: Path, config_name: str):
         if tuple(state[k].shape) != shape:
             raise CheckpointError(f"{folder}: tensor {k} has shape {tuple(state[k].shape)}, "
                                   f"but {config_name} implies {shape}")
+        if not state[k].is_floating_point():
+            raise CheckpointError(f"{folder}: tensor {k} holds {state[k].dtype} values; a "
+                                  f"model's weights are floating-point numbers")
+
 
 
 def check_device(device, dtype=None) -> None:
@@ -114,6 +121,7 @@ def load_tokenizer(path=None):
                 "tokenizer.model.")
         return Tokenizer(file)
     path = Path(path).expanduser()
+    recover(path)
     if not path.exists():
         raise TokenizerError(f"{path} does not exist; expected a Llama 3 tokenizer.model "
                              "(tiktoken format) or a folder holding one.")
@@ -132,6 +140,19 @@ def load_tokenizer(path=None):
     if path.suffix == ".gguf":
         return _gguf_tokenizer(path)
     return Tokenizer(path)
+
+
+def check_pair(model: Llama, tokenizer) -> None:
+    """A tokenizer and a model belong together: every id the tokenizer can give (its
+    vocabulary, its special tokens, its stop tokens) is a row of the model's embedding."""
+    vocab = model.args.vocab_size
+    ids = {"its vocabulary runs to": tokenizer.n_words - 1,
+           **{f"its {k} is": getattr(tokenizer, k, None) for k in ("bos_id", "eos_id", "eot_id")}}
+    for what, top in ids.items():
+        if isinstance(top, int) and top >= vocab:
+            raise TokenizerError(f"the tokenizer does not belong to the model: {what} id {top:,}, "
+                                 f"but the model's vocabulary holds ids 0 to {vocab - 1:,}; load "
+                                 f"the tokenizer that came with the checkpoint")
 
 
 def _gguf_tokenizer(path):
