@@ -23,6 +23,7 @@ from gguf_files import write_llama
 from safetensors.torch import load_file, save_file
 
 from minipaged import CheckpointError, TokenizerError, load_model, load_tokenizer, save_model
+from minipaged.formats import DEFAULT_MODEL_DIR
 from minipaged.formats.gguf_checkpoint import cache_dir
 from minipaged.formats.gguf_tokenizer import gpt2_byte_spelling
 
@@ -362,9 +363,7 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path):
 def test_the_chat_refuses_a_tokenizer_larger_than_its_model(tmp_path):
     from cli_probes import refused, run_many
     folder = save_model(tiny(), tmp_path / "m")
-    (folder / "tokenizer.model").write_bytes(
-        (Path(__file__).resolve().parents[1] / "assets" / "model" / "tokenizer.model")
-        .read_bytes())
+    (folder / "tokenizer.model").write_bytes((DEFAULT_MODEL_DIR / "tokenizer.model").read_bytes())
     result, = run_many("minipaged.chat", [(["--model", folder, "--prompt", "hi"], None)])
     refused(result, "does not belong to the model")
 
