@@ -116,7 +116,7 @@ def _draw(stage: str, result, who: str):
     if stage == "5":
         return plot_timeline(result.history, title=f"{who} scheduler")
     if stage == "6b":
-        return plot_beam_tree(result.history, title=f"{who} beams")
+        return plot_beam_tree(result.history, title=f"{who} beams (each labelled with its token id)")
     return None
 
 
