@@ -8,7 +8,8 @@ Stage 2 draws both pools (`viz.plot_pool`: your blocks, the reference's blocks);
 running softmaxes (`viz.plot_running_softmax`); 5 both timelines (`viz.plot_timeline`); 6b both
 beam trees (`viz.plot_beam_tree`). The other stages return what they produce (tokens, outputs,
 a KVWaste) with no figure. A function the workspace leaves unwritten makes `yours` the sentence
-that says so.
+that says so; so does a workspace folder that does not exist (then only the reference runs and
+only its figure is drawn: nothing of the package's is passed off as yours).
 """
 
 from __future__ import annotations
@@ -108,11 +109,14 @@ def _draw(stage: str, result, who: str):
     if stage == "2":
         return plot_pool([result], titles=[f"{who} blocks"])
     if stage == "3b":
-        return plot_running_softmax(result[1])
+        fig = plot_running_softmax(result[1])
+        fig.suptitle(f"{who} online-softmax walk", fontsize=10, x=0.01, ha="left")
+        fig.tight_layout()
+        return fig
     if stage == "5":
         return plot_timeline(result.history, title=f"{who} scheduler")
     if stage == "6b":
-        return plot_beam_tree(result.history, title=f"{who} beams")
+        return plot_beam_tree(result.history, title=f"{who} beams (each labelled with its token id)")
     return None
 
 
@@ -121,11 +125,16 @@ def compare(stage="2", workspace="workspace", draw: bool = True) -> Comparison:
     stage = str(stage)
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {' '.join(STAGES)}, not {stage!r}")
-    try:
-        with learner(stage, workspace):
-            yours = _run(stage)
-    except NotImplementedError as e:
-        yours = str(e)
+    if not Path(workspace).is_dir():
+        yours = (f"no workspace at {workspace}: run `python -m minipaged.exercises start` from the "
+                 f"repository root, write stage {stage}'s tasks, and run this again; "
+                 f"only the reference is shown")
+    else:
+        try:
+            with learner(stage, workspace):
+                yours = _run(stage)
+        except NotImplementedError as e:
+            yours = str(e)
     reference = _run(stage)
     figures = []
     if draw:

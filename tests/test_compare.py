@@ -1,0 +1,26 @@
+"""`minipaged.exercises.compare`, the notebooks' "Build it" cell: it never passes the package's
+code off as the learner's. With no workspace folder, `yours` is a sentence saying so and only the
+reference is drawn; with untouched stubs, `yours` is the stub's "not written yet" sentence."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+from minipaged.cache_manager import CacheManager  # noqa: E402
+from minipaged.exercises import compare  # noqa: E402
+from minipaged.exercises.stubs import start  # noqa: E402
+
+
+def test_no_workspace_says_so_and_draws_only_the_reference(tmp_path):
+    yours, reference, figures = compare("2", tmp_path / "nowhere")
+    assert isinstance(yours, str) and yours.startswith("no workspace at ")
+    assert "python -m minipaged.exercises start" in yours
+    assert isinstance(reference, CacheManager)
+    assert [f.axes[0].get_title() for f in figures] == ["the reference's blocks"]
+
+
+def test_untouched_stubs_say_not_written_and_draw_only_the_reference(tmp_path):
+    start(tmp_path)
+    yours, reference, figures = compare("2", tmp_path)
+    assert isinstance(yours, str) and "not written yet" in yours
+    assert len(figures) == 1
