@@ -9,6 +9,7 @@ changing a notebook or the code it draws, and commit the result. Outputs are det
 """
 
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -18,10 +19,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def execute(path: Path):
-    """The notebook at `path`, run top to bottom on the CPU in its own folder."""
+    """The notebook at `path`, run top to bottom on the CPU in an empty `notebooks/` folder of
+    its own: a learner's `workspace/` beside the real one (what `python -m minipaged.exercises
+    start` writes) would otherwise change what the Build it cells print."""
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3", record_timing=False,
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "notebooks"
+        folder.mkdir()
+        NotebookClient(nb, timeout=600, kernel_name="python3", record_timing=False,
+                       resources={"metadata": {"path": str(folder)}}).execute()
     nb.metadata.pop("widgets", None)
     return nb
 
