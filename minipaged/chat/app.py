@@ -36,7 +36,7 @@ from ..fragmentation import measure_contiguous, measure_paged
 from ..kv_budget import bytes_per_block, pool_blocks
 from ..kv_cache import ContiguousCache
 from ..sharing import SharedPagedCache
-from ..viz.terminal import blocks_view, stats_table, status_line
+from ..viz.terminal import WordWrap, blocks_view, stats_table, status_line
 from .conversation import Conversation
 from .demo import run_demo
 from .options import build_parser, model_path
@@ -140,11 +140,10 @@ def show_blocks(conv, rest, console) -> None:
         console.print(f"[yellow]/blocks takes one layer number, from 0 to {layers - 1}; got "
                       f"{escape(' '.join(rest))}[/]", highlight=False)
         return
-    blocks = getattr(conv.cache, "num_blocks", 1)       # (the contiguous cache: none)
-    cell = len(str(blocks - 1)) + 2                      # "id" + mark + space
-    cols = max(4, min(16, (console.width - 4) // cell))  # a row fits the terminal
-    console.print(blocks_view(conv.cache, conv.seq_id, int(rest[0]) if rest else 0, cols=cols,
-                              owners={conv.seq_id: ("you", "dark_green", "*")}))
+    width, height = console.size                        # the terminal's, as rich reads it
+    console.print(blocks_view(conv.cache, conv.seq_id, int(rest[0]) if rest else 0,
+                              owners={conv.seq_id: ("you", "dark_green", "*")}, width=width,
+                              height=height - 1))       # and a line for the next prompt
 
 
 def interactive(conv, console, status=True):
@@ -169,9 +168,13 @@ def interactive(conv, console, status=True):
                 return
             continue
         console.print("[bold cyan]model>[/] ", end="")
+        wrap = WordWrap(console.width, column=len("model> "))   # lines break at words
+
+        def show(piece):
+            console.print(piece, end="", markup=False, highlight=False, soft_wrap=True)
         try:
-            info = conv.reply(text, on_text=lambda s: console.print(s, end="", markup=False,
-                                                                   highlight=False))
+            info = conv.reply(text, on_text=lambda piece: show(wrap.push(piece)))
+            show(wrap.flush())
         except OutOfBlocksError as e:
             console.print(f"\n[bold yellow]pool full:[/] {escape(str(e))}")
             continue
