@@ -22,6 +22,7 @@ and checked with `check` when it is used.
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import math
 import os
@@ -46,9 +47,12 @@ class ArgumentParser(argparse.ArgumentParser):
 def program(main):
     """Wrap a program's `main(argv=None)` so that it returns the exit status: main's own (0 if
     it returns None), 2 after a minipaged error (its sentence printed on one line as
-    `error: ...`, no traceback), 130 after Ctrl-C, 141 when whoever read the output went away
-    (`... | head`; output printed through rich's Console stops there with rich's own status 1,
-    as quietly). The wrapped `main` is also what the console scripts call."""
+    `error: ...`, no traceback), 2 with `error: cannot write the output: ...` when standard
+    output (or a file, named) cannot be written (a full disk, `> /dev/full`), 130 after Ctrl-C, 141 when whoever
+    read the output went away (`... | head`; output printed through rich's Console stops
+    there with rich's own status 1, as quietly). Characters the output's encoding lacks
+    (`PYTHONIOENCODING=ascii`) print as `?`. The wrapped `main` is also what the console
+    scripts call."""
     @functools.wraps(main)
     def wrapped(argv=None) -> int:
         return _run(main, argv)
@@ -56,8 +60,16 @@ def program(main):
 
 
 def _run(main, argv) -> int:
+    for stream in (sys.stdout, sys.stderr):     # a character the terminal's encoding lacks
+        if hasattr(stream, "reconfigure"):      # (PYTHONIOENCODING=ascii) prints as "?"
+            stream.reconfigure(errors="replace")
     try:
-        status = main(argv)
+        try:
+            status = main(argv)
+        except SystemExit as e:                 # (--help): what it printed is flushed below
+            if e.code not in (0, None):
+                raise
+            status = 0
         sys.stdout.flush()                      # a closed pipe shows up here, not at exit
         return status or 0
     except MiniPagedError as e:
@@ -66,10 +78,30 @@ def _run(main, argv) -> int:
     except KeyboardInterrupt:
         return SIGINT_STATUS
     except BrokenPipeError:
-        # Whatever is still buffered cannot be written either: point stdout at /dev/null so
-        # that Python's own flush at exit does not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _drop_stdout()
         return SIGPIPE_STATUS
+    except OSError as e:
+        if e.errno not in FULL_OR_FAILING:      # a write that no program could have made
+            raise
+        what = f"cannot write {e.filename}" if e.filename else "cannot write the output"
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):           # it was standard output (`> /dev/full`)
+            _drop_stdout()
+        print(error_line(f"{what}: {e.strerror or e}"), file=sys.stderr, flush=True)
+        return 2
+
+
+FULL_OR_FAILING = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
+
+
+def _drop_stdout() -> None:
+    """Whatever is still buffered cannot be written either: point stdout at /dev/null so that
+    Python's own flush at exit does not raise again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):               # no file descriptor (a test's StringIO)
+        pass
 
 
 def error_line(e: Exception) -> str:

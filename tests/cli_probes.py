@@ -132,3 +132,27 @@ def digest(path: Path):
         return path.read_bytes()
     return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*"))
             if p.is_file() and "__pycache__" not in p.parts} if path.exists() else None
+
+
+def run_to(argv, stdout, stdin=None, timeout=300, **extra_env):
+    """`python ARGV` with its standard output opened on the file `stdout` (e.g. /dev/full):
+    (exit status, stderr)."""
+    with open(stdout, "wb") as out:
+        r = subprocess.run([sys.executable, *map(str, argv)], cwd=ROOT, input=stdin,
+                           stdout=out, stderr=subprocess.PIPE, timeout=timeout,
+                           env=env(**extra_env))
+    return r.returncode, r.stderr.decode(errors="replace")
+
+
+def run_into_head(argv, n_bytes=10, stdin=None, timeout=300, **extra_env):
+    """`python ARGV | head -c N_BYTES`: the reader goes away early. (exit status, stderr)."""
+    p = subprocess.Popen([sys.executable, *map(str, argv)], cwd=ROOT, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(**extra_env))
+    if stdin is not None:
+        p.stdin.write(stdin)
+    p.stdin.close()
+    p.stdout.read(n_bytes)
+    p.stdout.close()                             # as head does once it has its bytes
+    err = p.stderr.read()
+    p.wait(timeout=timeout)
+    return p.returncode, err.decode(errors="replace")

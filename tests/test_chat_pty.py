@@ -3,6 +3,7 @@
 import math
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,13 +14,13 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 class Chat:
-    """`python -m minipaged.chat` in a pty, 120 columns, no colours (TERM=dumb)."""
+    """`python -m minipaged.chat` in a pty, 120 columns (or `size`), no colours (TERM=dumb)."""
 
-    def __init__(self, *args):
-        env = dict(os.environ, TERM="dumb", COLUMNS="120", LINES="60", PYTHONUNBUFFERED="1",
-                   OMP_NUM_THREADS="1")
+    def __init__(self, *args, size=(60, 120)):
+        env = dict(os.environ, TERM="dumb", COLUMNS=str(size[1]), LINES=str(size[0]),
+                   PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         self.p = pexpect.spawn(sys.executable, ["-m", "minipaged.chat", *args], cwd=ROOT,
-                               env=env, encoding="utf-8", timeout=180, dimensions=(60, 120))
+                               env=env, encoding="utf-8", timeout=180, dimensions=size)
         self.p.expect("you> ")
         self.banner = self.clean(self.p.before)
 
@@ -91,4 +92,25 @@ def test_nothing_typed_ends_the_chat():
         assert "Traceback" not in shown and ("0 to 3" in shown or "unknown command" in shown)
     chat.say("/reset")
     assert re.search(r"turns\s*│\s*0\b", chat.say("/stats"))
+    assert chat.quit() == 0
+
+
+def test_an_80_by_24_terminal_wraps_replies_at_words_and_fits_blocks():
+    """As a person at an 80x24 terminal: each line of a reply ends at a word (the words are
+    those the piped chat, which does not wrap, prints) and `/blocks` fits the screen with the
+    next prompt."""
+    question = "what is paged attention and why does it use blocks?"
+    piped = subprocess.run([sys.executable, "-m", "minipaged.chat", "--max-new-tokens", "60"],
+                           cwd=ROOT, input=question + "\n", capture_output=True, text=True,
+                           timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert piped.returncode == 0, piped.stderr
+    chat = Chat("--max-new-tokens", "60", "--no-status", size=(24, 80))
+    shown = chat.say(question)
+    reply = shown.split("model> ", 1)[1].rstrip("\n").split("\n")
+    assert len(reply) >= 2                                     # long enough to be wrapped
+    assert all(len(line) <= 80 for line in [f"model> {reply[0]}", *reply[1:]]), reply
+    assert " ".join(reply).split() == piped.stdout.split()     # no word cut at a line's end
+    drawn = chat.say("/blocks").split("\n")[1:]               # (the echoed command first)
+    assert "logical -> physical" in "\n".join(drawn)
+    assert len(drawn) <= 24 and all(len(line) <= 80 for line in drawn), drawn
     assert chat.quit() == 0

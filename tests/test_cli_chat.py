@@ -149,3 +149,26 @@ def test_ctrl_c_while_the_gguf_cache_is_written_leaves_no_temporary(tmp_path):
     assert code == 130 and "Traceback" not in err and not err.strip(), (code, err)
     assert temporaries() == []
     assert not list(tmp_path.rglob("weights-*.safetensors"))
+
+
+def test_a_reply_cut_short_by_a_full_pool_is_said_on_stderr_and_exits_1():
+    """96 KiB holds 3 blocks of 16 tokens: the first reply stops when they are full. Piped and
+    with --prompt, what was said is printed, one `error: reply cut short: ...` line says why,
+    and the exit status is 1 (2 if a later line is refused, as the pool stays full)."""
+    tight = ["--max-new-tokens", "60", "--kv-budget", "96KiB"]
+    piped, prompt, then_refused, roomy = run_many("minipaged.chat", [
+        (tight, b"what is a block table?\n"),
+        (tight + ["--prompt", "what is a block table?"], None),
+        (tight, b"what is a block table?\nwhat is paged attention?\n"),
+        (["--max-new-tokens", "60"], b"what is a block table?\n")])
+    for r in (piped, prompt):
+        assert r["code"] == 1 and "Traceback" not in r["stderr"], r
+        lines = r["stderr"].splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: reply cut short: the KV pool "
+                                                       "is full") and "--kv-budget" in lines[0]
+        said = r["stdout"].strip()
+        assert said and roomy["stdout"].strip().startswith(said)    # as far as it went
+        assert len(said) < len(roomy["stdout"].strip())
+    assert prompt["stdout"] == piped["stdout"]
+    assert then_refused["code"] == 2 and len(then_refused["stderr"].splitlines()) == 2
+    answered(roomy)

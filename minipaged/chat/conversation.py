@@ -119,8 +119,12 @@ class Conversation:
         """A user message and the opening of the assistant's turn."""
         return self.format.encode_message({"role": "user", "content": text}) + self.opening
 
+    @torch.inference_mode()
     def reply(self, text: str, on_text=None) -> dict:
         """Feed the new tokens, generate the answer (streamed to `on_text`), keep its blocks.
+
+        Runs under `torch.inference_mode()`: with autograd on, every key and value written into
+        the pool would keep the graph that computed it alive, turn after turn.
 
         Returns what the turn did: the reply, how many tokens the prefill processed, whether
         the history was dropped and rebuilt, and `pool_full` if blocks ran out mid-reply.

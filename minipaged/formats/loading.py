@@ -29,7 +29,8 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "embedded" / "model"
 
 def load_model(path=None, device="cpu", dtype=None) -> Llama:
     """Load a Llama 3 checkpoint folder (Meta or Hugging Face layout) or a GGUF file (or a folder
-    holding one) as a `Llama` in eval mode.
+    holding one) as a `Llama` in eval mode, its parameters without grad (a model run for
+    inference must not record a graph; training sets `requires_grad` back on).
 
     path=None loads the embedded default model; dtype=None keeps the checkpoint's dtype
     (float32 for a GGUF file, whose quantized blocks have no PyTorch dtype).
@@ -64,7 +65,7 @@ def load_model(path=None, device="cpu", dtype=None) -> Llama:
         model.output.weight = model.tok_embeddings.weight
     dtype = dtype or next(iter(state.values())).dtype
     model.source = folder
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def _check_state(state: dict, model: Llama, folder: Path, config_name: str):

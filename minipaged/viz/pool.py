@@ -284,32 +284,44 @@ def plot_slots_held(runs, title: str | None = None, log: bool = True):
 
 # -- stage 1: the contiguous cache ----------------------------------------------------------------
 
-def plot_contiguous_cache(snapshots, max_seq_len: int, prompt_lens, titles=None, show: int | None = None):
+def plot_contiguous_cache(snapshots, max_seq_len: int, prompt_lens=None, titles=None,
+                          show: int | None = None):
     """One heat map per snapshot: rows = sequences, columns = reserved slots.
 
     snapshots: a list of per-sequence stored-token counts (what `ContiguousCache.usage()[0]`
     returns); prompt_lens: each sequence's prompt length, so prompt and generated slots get
-    their own colours. `show` limits the columns drawn (the rest are reserved and empty too).
+    their own colours (None: the split is not known, every stored token gets one colour).
+    `show` limits the columns drawn (the rest are reserved and empty too). A title counts the
+    reserved slots as rows x slots, so a batch's total is not mistaken for one row's length.
     """
 
     cols = show or max_seq_len
-    fig, axes = plt.subplots(len(snapshots), 1, figsize=(10, max(2.0, 0.8 + 0.5 * len(prompt_lens) * len(snapshots))),
+    rows = len(snapshots[0])
+    fig, axes = plt.subplots(len(snapshots), 1, figsize=(10, max(2.0, 0.8 + 0.5 * rows * len(snapshots))),
                              squeeze=False)
-    cmap = ListedColormap([FREE_COLOR, "#4c72b0", "#dd8452"])    # empty, prompt, generated
+    if prompt_lens is None:
+        colors, labels = [FREE_COLOR, "#8172b3"], ["reserved, empty", "holds a token"]
+    else:
+        colors, labels = [FREE_COLOR, "#4c72b0", "#dd8452"], ["reserved, empty", "prompt", "generated"]
+    cmap = ListedColormap(colors)
     for k, (ax, used) in enumerate(zip(axes[:, 0], snapshots)):
         grid = np.zeros((len(used), cols))
-        for row, (n, p) in enumerate(zip(used, prompt_lens)):
+        for row, n in enumerate(used):
+            p = n if prompt_lens is None else prompt_lens[row]
             grid[row, :min(n, p, cols)] = 1
             grid[row, min(p, cols):min(n, cols)] = 2
-        ax.imshow(grid, cmap=cmap, vmin=0, vmax=2, aspect="auto", interpolation="nearest")
+        ax.imshow(grid, cmap=cmap, vmin=0, vmax=len(colors) - 1, aspect="auto",
+                  interpolation="nearest")
         ax.set_yticks(range(len(used)), [f"seq {i}" for i in range(len(used))])
-        share = sum(used) / (len(used) * max_seq_len)
+        total = len(used) * max_seq_len
+        reserved = (f"{len(used)} rows x {max_seq_len:,} = {total:,}" if len(used) > 1
+                    else f"{max_seq_len:,}")
         ax.set_title((titles[k] + " — " if titles else "") +
-                     f"{sum(used)} of {len(used) * max_seq_len} reserved slots hold a token ({share:.1%})",
-                     fontsize=9, loc="left")
-    axes[-1, 0].set_xlabel("slot (position)" + (f" — first {cols} of {max_seq_len} shown" if cols < max_seq_len else ""))
-    fig.legend(handles=[Patch(color=c, label=l) for c, l in
-                        zip(cmap.colors, ["reserved, empty", "prompt", "generated"])],
-               loc="upper right", ncol=3, fontsize=8, frameon=False)
+                     f"{sum(used):,} of {reserved} reserved slots hold a token "
+                     f"({sum(used) / total:.1%})", fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("slot (position in the row)" +
+                           (f" — first {cols:,} of {max_seq_len:,} shown" if cols < max_seq_len else ""))
+    fig.legend(handles=[Patch(color=c, label=l) for c, l in zip(colors, labels)],
+               loc="upper right", ncol=len(colors), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     return fig
