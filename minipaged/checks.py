@@ -121,6 +121,17 @@ def pool_bytes(num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
         max_seqs * max_blocks_per_seq * 4                    # int32 block table
 
 
+def check_budget(num_blocks: int, budget_bytes, block_size: int, n_layers: int,
+                 per_block: int) -> int:
+    """The blocks a KV budget holds, or OutOfBlocksError when it holds none."""
+    if num_blocks < 1:
+        raise OutOfBlocksError(
+            f"a KV budget of {int(budget_bytes):,} bytes holds no block: one block of {block_size} "
+            f"tokens in {n_layers} layers takes {per_block:,} bytes; raise the budget or shrink "
+            f"block_size")
+    return num_blocks
+
+
 def check_pool(num_blocks, block_size, n_kv_heads, head_dim, max_seqs, max_blocks_per_seq,
                device, dtype, kv_bytes_per_token, n_layers: int | None = None) -> None:
     """Sizes positive, and room on `device` for one CacheManager's pool (`n_layers` None) or
