@@ -173,6 +173,61 @@ def check_row_room(longest: int, max_seq_len: int) -> None:
             f"{max_seq_len}; ask for fewer new tokens or a larger max_seq_len")
 
 
+# -- whole numbers, flags, stop tokens -------------------------------------------------------
+
+def whole(value) -> bool:
+    """An integer (Python or numpy), not a bool: True is not a token id, nor a count."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_whole(name: str, value, low: int = 0) -> int:
+    """`value` as an int, if it is a whole number >= low (not 1.5, NaN, "3" or True)."""
+    if not whole(value) or value < low:
+        raise RequestError(f"{name} must be an integer >= {low}, not {value!r}")
+    return int(value)
+
+
+def check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise UsageError(f"{name} must be True or False, not {value!r}")
+
+
+def check_stop_tokens(model, stop_tokens) -> frozenset:
+    """The stop tokens as a set (None: the model's), each a token id in [0, vocab)."""
+    if stop_tokens is None:
+        return frozenset(model.args.stop_tokens)
+    vocab = model.args.vocab_size
+    if not isinstance(stop_tokens, (list, tuple, set, frozenset)) or \
+            not all(whole(t) and 0 <= t < vocab for t in stop_tokens):
+        raise RequestError(f"stop_tokens must be a list of token ids in [0, {vocab}) (None: the "
+                           f"model's, []: never stop early), not {stop_tokens!r}")
+    return frozenset(int(t) for t in stop_tokens)
+
+
+def check_tokens(tokens) -> None:
+    """A prompt as the prefix cache hashes it: a non-empty list of token ids (1.5 and True
+    would hash as 1 and find blocks that hold other tokens)."""
+    if not isinstance(tokens, (list, tuple)) or not tokens or not all(
+            whole(t) and t >= 0 for t in tokens):
+        raise RequestError(f"tokens must be a non-empty list of token ids, not {tokens!r}")
+
+
+def check_device(device, dtype=None) -> None:
+    """UsageError for a device torch does not know or this machine does not have (device="cuda"
+    without a GPU), or a dtype that is not a floating-point torch dtype."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"device must be a torch device such as 'cpu' or 'cuda', not {device!r}") \
+            from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device={str(device)!r} needs a CUDA GPU, and torch sees none here; "
+                         f"load the model with device='cpu'")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise UsageError(f"dtype must be a floating-point torch dtype such as torch.bfloat16 "
+                         f"(or None: the checkpoint's), not {dtype!r}")
+
+
 # -- a model, a request ---------------------------------------------------------------------------
 
 def check_model_args(args) -> None:
@@ -198,6 +253,18 @@ def check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_le
     """Refuse a request that cannot be served, before any work is done. Returns the limit of
     new tokens for each prompt (`max_new_tokens` may be one int or one per prompt)."""
     vocab = model.args.vocab_size
+    # first the kinds of value the checks below let through: bools as token ids or counts
+    # (True is an int to Python), and sampling settings that are not finite real numbers
+    for i, p in enumerate(prompts if isinstance(prompts, (list, tuple)) else []):
+        if isinstance(p, (list, tuple)) and any(isinstance(t, bool) for t in p):
+            raise RequestError(f"prompt {i} holds True or False; token ids are integers in "
+                               f"[0, {vocab})")
+    counts = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens]
+    if any(isinstance(m, bool) for m in counts):
+        raise RequestError(f"max_new_tokens must be an integer, not {max_new_tokens!r}")
+    for name, x in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x):
+            raise RequestError(f"{name} must be a finite number, not {x!r}")
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise RequestError("prompts must be a non-empty list of token-id lists")
     for i, p in enumerate(prompts):
