@@ -231,16 +231,50 @@ def check_device(device, dtype=None) -> None:
 # -- a model, a request ---------------------------------------------------------------------------
 
 def check_model_args(args) -> None:
-    """UsageError for a ModelArgs whose sizes are not positive whole numbers or whose heads do
-    not split evenly."""
-    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"):
+    """UsageError for a ModelArgs the model would run with and answer nonsense (a negative RMS
+    epsilon gives NaN, then the same token over and over) or fail deep inside a forward pass:
+    sizes that are not positive whole numbers, heads that do not split evenly, an odd head
+    size, rope settings out of range, stop tokens outside the vocabulary."""
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len",
+                 "hidden_dim", "rope_original_max_len"):
         value = getattr(args, name)
+        if value is None and name == "hidden_dim":      # None: computed from dim
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UsageError(f"{name} must be a positive whole number, not {value!r}")
     if args.dim % args.n_heads or args.n_heads % args.n_kv_heads:
         raise UsageError(f"the heads must split evenly: dim {args.dim} into n_heads "
                          f"{args.n_heads}, and n_heads into n_kv_heads {args.n_kv_heads} "
                          f"groups (grouped-query attention)")
+    head_dim = args.dim // args.n_heads
+    if head_dim % 2:
+        raise UsageError(f"the head size dim / n_heads = {args.dim} / {args.n_heads} = "
+                         f"{head_dim} is odd, and rotary embeddings turn pairs of numbers")
+    if not (_finite(args.norm_eps) and 0 < args.norm_eps < 1):
+        raise UsageError(f"the RMS norm epsilon is {args.norm_eps!r}; it must be a small "
+                         f"positive number (Llama 3: 1e-05)")
+    if not (_finite(args.rope_theta) and args.rope_theta > 1):
+        raise UsageError(f"the rope base (theta) is {args.rope_theta!r}; it must be a number "
+                         f"above 1 (Llama 3: 500000)")
+    if args.use_scaled_rope:
+        for name in ("rope_scale_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            if not (_finite(getattr(args, name)) and getattr(args, name) > 0):
+                raise UsageError(f"{name} is {getattr(args, name)!r}, not a positive number")
+        if not args.rope_high_freq_factor > args.rope_low_freq_factor:
+            raise UsageError(f"the rope scaling's high_freq_factor ({args.rope_high_freq_factor}) "
+                             f"must be above its low_freq_factor ({args.rope_low_freq_factor})")
+    factors = args.rope_freq_factors
+    if factors is not None and not (len(factors) == head_dim // 2 and
+                                    all(_finite(f) and f > 0 for f in factors)):
+        raise UsageError(f"the rope frequency factors must be {head_dim // 2} positive numbers")
+    wrong = [t for t in args.stop_tokens or [] if not (whole(t) and 0 <= t < args.vocab_size)]
+    if wrong:
+        raise UsageError(f"the stop token {wrong[0]!r} is not an id of its vocabulary of "
+                         f"{args.vocab_size:,}")
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_sampling(temperature: float, top_p: float) -> None:

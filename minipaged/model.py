@@ -41,7 +41,7 @@ class ModelArgs:
     def __post_init__(self):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        check_model_args(self)                # positive sizes, heads that split evenly
+        check_model_args(self)            # values the model could not run with (checks.py)
         if self.hidden_dim is None:       # Meta's FeedForward sizing, verbatim in spirit
             hidden = int(2 * (4 * self.dim) / 3)
             if self.ffn_dim_multiplier is not None:
