@@ -172,10 +172,8 @@ class CacheManager:
         owner = np.full(self.num_blocks, -1, dtype=np.int64)
         filled = np.zeros(self.num_blocks, dtype=np.int64)
         for s in self._live:
-            k = int(self._held[s])
-            blocks = self._table[s, :k]
+            blocks = self._table[s, : self._held[s]]
             owner[blocks] = s
             filled[blocks] = self.block_size
-            if k:
-                filled[blocks[-1]] = int(self._lens[s]) - (k - 1) * self.block_size
+            filled[blocks[-1:]] = self._lens[s] - (len(blocks) - 1) * self.block_size  # the last
         return owner, filled

@@ -1,7 +1,5 @@
-"""Stage 1: the naive, contiguous KV cache — reserved up front, the way Meta's reference does it.
-
-Every sequence slot gets `max_seq_len` positions in every layer before it has produced a single
-token. Most of those slots are never used: that waste is what paging (stages 2-3) wins back.
+"""Stage 1: the naive, contiguous KV cache — reserved up front, the way Meta's reference does it:
+every sequence gets `max_seq_len` slots in every layer before it has produced a single token.
 
 The cache interface, the one every cache in this repository offers (stated here, once):
 
@@ -13,10 +11,8 @@ The cache interface, the one every cache in this repository offers (stated here,
 and `cache.cache_seqlens` (B,) int32: tokens each row stored before the step (flash-attn's
 name), so row b's new tokens sit at positions cache_seqlens[b], cache_seqlens[b] + 1, ...
 The model calls `positions` and `attend`; generation calls `prepare` and `free`. So stage 3's
-paged cache can replace this one without the model noticing.
-
-The sizes, ids and memory a cache is given are checked first (`checks.py`, not needed on a
-first read).
+paged cache can replace this one without the model noticing. (The checks of sizes, ids and
+memory live in `checks.py`, not needed on a first read.)
 """
 
 from __future__ import annotations
