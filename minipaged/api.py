@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 
 from .beams import beam_search     # stage 6b's, public as it is
-from .checks import check_memory, check_request
-from .engine import check_stop_tokens, check_values, check_whole, whole
+from .checks import check_memory, check_request, check_stop_tokens, check_whole, whole
 from .errors import RequestError
 from .generation import generate_static, row_generator
 from .kv_budget import bytes_per_block
@@ -86,10 +85,10 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
 
 def check_arguments(model, prompts, max_new_tokens, cache, temperature, top_p, stop_tokens,
                     seed, callback, n) -> None:
-    """What `check_request` does not see: the kinds of value it lets through, the seed, the
-    callback, a cache object without the cache interface, and n samples that could never fit
-    in memory (refused before the n copies of each prompt are even listed)."""
-    check_values(model, prompts, max_new_tokens, temperature, top_p)
+    """The request (`check_request`, lengths aside: they depend on the cache), then what it
+    does not see: the seed, the callback, a cache object without the cache interface, and n
+    samples that could never fit in memory (refused before the n copies are even listed)."""
+    limits = check_request(model, prompts, max_new_tokens, temperature, top_p, float("inf"))
     check_stop_tokens(model, stop_tokens)
     check_whole("seed", seed)
     if callback is not None and not callable(callback):
@@ -101,7 +100,6 @@ def check_arguments(model, prompts, max_new_tokens, cache, temperature, top_p, s
                            f"interface (prepare, positions, attend, free), not {cache!r}")
     if n == 1:
         return
-    limits = check_request(model, prompts, max_new_tokens, temperature, top_p, float("inf"))
     tokens = n * sum(len(q) + m for q, m in zip(prompts, limits))   # the least the cache holds
     a, p = model.args, next(model.parameters())
     check_memory(tokens * bytes_per_block(1, a.n_kv_heads, a.head_dim, p.dtype, a.n_layers),

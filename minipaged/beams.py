@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .engine import check_pool_options, check_stop_tokens, check_values, check_whole, whole
+from .checks import check_request, check_stop_tokens, check_whole, whole
+from .engine import check_pool_options
 from .errors import RequestError
-from .generation import check_request
 from .sizing import pool_blocks
 from .kv_cache import ContiguousCache
 from .sharing import SharedPagedCache
@@ -81,7 +81,6 @@ def check_beam_request(model, prompt, beam_width, max_new_tokens, length_penalty
                        cache, cache_options) -> set[int]:
     """Stage 1's request check, then beam search's own; returns the stop tokens (None: the
     model's)."""
-    check_values(model, [prompt], max_new_tokens, 0.0, 1.0)
     check_request(model, [prompt], max_new_tokens, 0.0, 1.0, model.args.max_seq_len)
     vocab = model.args.vocab_size
     if not whole(beam_width) or not 1 <= beam_width <= vocab:

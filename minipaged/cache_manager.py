@@ -1,17 +1,12 @@
 """Stage 2: the block allocator behind PagedAttention — one CacheManager per layer.
 
-Stage 1 reserved `max_seq_len` slots per sequence up front. Here a layer's KV memory is a pool
-of `num_blocks` physical blocks of `block_size` token slots each, and a sequence owns a list of
-blocks, its block table: logical block j (tokens j*block_size ... (j+1)*block_size - 1) lives in
-physical block block_table[j], anywhere in the pool. Blocks are taken from a random free set
-when a sequence first needs them and all go back when it ends, so the only memory a sequence
-wastes is the unfilled tail of its last block.
-
-The allocator handles integers only: the K/V tensors of the pool sit beside it
-(`k_cache_paged`, `v_cache_paged`) and are read by stage 3's attention. The tables and lengths
-are int32 CPU tensors, read and written through numpy views of the same memory (`_table`,
-`_lens`, `_held`), as vLLM's BlockTable does. The checks of ids, counts and room live in
-`checks.py` (not needed on a first read); they run before anything changes.
+A layer's KV memory is a pool of `num_blocks` physical blocks of `block_size` token slots. A
+sequence owns a block table: logical block j (tokens j*block_size ... (j+1)*block_size - 1) lives
+in physical block block_table[j], anywhere in the pool. Blocks come from a random free set when
+a sequence first needs them and all go back when it ends, so a sequence wastes at most the
+unfilled tail of its last block. The allocator handles integers only; the K/V pool beside it
+(`k_cache_paged`, `v_cache_paged`) is what stage 3's attention reads. Tables and lengths are
+int32 tensors written through numpy views of the same memory, as vLLM's BlockTable does.
 """
 
 from __future__ import annotations
@@ -28,11 +23,8 @@ PAD_BLOCK = -1   # what block tables hold past a sequence's last block: "no bloc
 
 
 class FreeBlockSet:
-    """Free physical block ids; `take` removes random ones in O(1) each, reproducibly for a seed.
-
-    A list plus swap-with-last removal: pick a random index, move the last id into its place,
-    pop. `random.choice(list(free))` would copy the whole set on every pick.
-    """
+    """Free physical block ids; `take` removes random ones, reproducibly for a seed, in O(1)
+    each (swap the pick with the last id, pop), where `random.choice(list(free))` copies the set."""
 
     def __init__(self, num_blocks: int, seed: int = 0):
         self._ids = list(range(num_blocks))
@@ -58,12 +50,8 @@ class FreeBlockSet:
 
 
 class CacheManager:
-    """One layer's paged KV cache: the physical pool, its free blocks, a block table per sequence.
-
-    Sequence ids are rows of the tables, 0 <= seq_id < max_seqs. Every method that allocates
-    either succeeds completely or raises before changing anything (tables, lengths, free set,
-    even the random generator's state).
-    """
+    """One layer's pool, its free blocks and a block table per sequence (seq ids are the
+    tables' rows). Allocation succeeds completely or raises before changing anything."""
 
     def __init__(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
                  max_seqs: int, max_blocks_per_seq: int, device="cpu", dtype=torch.float32,
@@ -85,7 +73,6 @@ class CacheManager:
         self._held = self.num_blocks_held.numpy()
         self._live: set[int] = set()                                 # seq ids that exist now
 
-    # -- counts -------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
@@ -95,7 +82,6 @@ class CacheManager:
         return self.num_blocks - self.num_free_blocks
 
     def __contains__(self, seq_id) -> bool:
-        """`seq_id in cm`: does that sequence hold blocks here?"""
         return int(seq_id) in self._live
 
     def live_seq_ids(self) -> list[int]:
@@ -110,7 +96,6 @@ class CacheManager:
         """Blocks that `num_tokens` tokens fill: ceil(num_tokens / block_size)."""
         return -(-num_tokens // self.block_size)
 
-    # -- allocation -----------------------------------------------------------------------------
     def reserve(self, seq_id: int, num_tokens: int) -> list[int]:
         """Start sequence `seq_id` with blocks for `num_tokens` tokens (a prompt); return them."""
         s, n = check_new(self, seq_id), check_count(num_tokens)
@@ -123,8 +108,8 @@ class CacheManager:
         return blocks
 
     def grow(self, seq_ids, num_new_tokens: int) -> int:
-        """Each listed sequence gains `num_new_tokens` tokens: all do, or none if blocks run out.
-        A sequence takes new blocks only when its last block is full. Returns the blocks taken."""
+        """Each listed sequence gains `num_new_tokens` tokens (all, or none if blocks run out),
+        taking blocks only where its last block fills up. Returns the blocks taken."""
         rows, n = check_live(self, seq_ids, unique=True), check_count(num_new_tokens)   # (B,)
         seqs, held, needed = self._crossing(rows, n)
         total = sum(needed) - sum(held)
@@ -141,8 +126,7 @@ class CacheManager:
         return sum(needed) - sum(held)
 
     def _crossing(self, rows, n):
-        """The rows whose last block cannot hold n more tokens: their ids, the blocks each holds
-        now, the blocks each needs after the step (three lists)."""
+        """The rows whose last block cannot hold n more: ids, blocks held, blocks needed."""
         new_lens = self._lens[rows] + n                              # (B,)
         held = self._held[rows]                                      # (B,)
         crossing = (new_lens > held * self.block_size).nonzero()[0]  # (C,)
@@ -167,18 +151,14 @@ class CacheManager:
         self._live.discard(s)
         return blocks
 
-    def _take(self, k: int) -> list[int]:
-        """k blocks to write into (the caller checked that k fit)."""
+    def _take(self, k: int) -> list[int]:          # (stage 6 overrides these two)
         return self.free_blocks.take(k)
 
     def _release(self, blocks) -> None:
-        """Blocks a sequence no longer holds."""
         self.free_blocks.put(blocks)
 
-    # -- what attention reads ---------------------------------------------------------------------
     def block_table_for(self, seq_ids) -> torch.Tensor:
-        """int32 (B, W): row b is sequence seq_ids[b]'s block table, padded with PAD_BLOCK (-1).
-        W is the most blocks any of them holds (at least 1, so the shape stays valid)."""
+        """int32 (B, W): the sequences' block tables, W the most blocks any holds (at least 1)."""
         rows = check_live(self, seq_ids)                             # (B,)
         width = max(1, int(self._held[rows].max()))
         return torch.from_numpy(self._table[rows, :width]).to(self.device)   # (B, W), a copy
@@ -192,10 +172,8 @@ class CacheManager:
         owner = np.full(self.num_blocks, -1, dtype=np.int64)
         filled = np.zeros(self.num_blocks, dtype=np.int64)
         for s in self._live:
-            k = int(self._held[s])
-            blocks = self._table[s, :k]
+            blocks = self._table[s, : self._held[s]]
             owner[blocks] = s
             filled[blocks] = self.block_size
-            if k:
-                filled[blocks[-1]] = int(self._lens[s]) - (k - 1) * self.block_size
+            filled[blocks[-1:]] = self._lens[s] - (len(blocks) - 1) * self.block_size  # the last
         return owner, filled

@@ -121,6 +121,17 @@ def pool_bytes(num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
         max_seqs * max_blocks_per_seq * 4                    # int32 block table
 
 
+def check_budget(num_blocks: int, budget_bytes, block_size: int, n_layers: int,
+                 per_block: int) -> int:
+    """The blocks a KV budget holds, or OutOfBlocksError when it holds none."""
+    if num_blocks < 1:
+        raise OutOfBlocksError(
+            f"a KV budget of {int(budget_bytes):,} bytes holds no block: one block of {block_size} "
+            f"tokens in {n_layers} layers takes {per_block:,} bytes; raise the budget or shrink "
+            f"block_size")
+    return num_blocks
+
+
 def check_pool(num_blocks, block_size, n_kv_heads, head_dim, max_seqs, max_blocks_per_seq,
                device, dtype, kv_bytes_per_token, n_layers: int | None = None) -> None:
     """Sizes positive, and room on `device` for one CacheManager's pool (`n_layers` None) or
@@ -162,19 +173,108 @@ def check_row_room(longest: int, max_seq_len: int) -> None:
             f"{max_seq_len}; ask for fewer new tokens or a larger max_seq_len")
 
 
+# -- whole numbers, flags, stop tokens -------------------------------------------------------
+
+def whole(value) -> bool:
+    """An integer (Python or numpy), not a bool: True is not a token id, nor a count."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_whole(name: str, value, low: int = 0) -> int:
+    """`value` as an int, if it is a whole number >= low (not 1.5, NaN, "3" or True)."""
+    if not whole(value) or value < low:
+        raise RequestError(f"{name} must be an integer >= {low}, not {value!r}")
+    return int(value)
+
+
+def check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise UsageError(f"{name} must be True or False, not {value!r}")
+
+
+def check_stop_tokens(model, stop_tokens) -> frozenset:
+    """The stop tokens as a set (None: the model's), each a token id in [0, vocab)."""
+    if stop_tokens is None:
+        return frozenset(model.args.stop_tokens)
+    vocab = model.args.vocab_size
+    if not isinstance(stop_tokens, (list, tuple, set, frozenset)) or \
+            not all(whole(t) and 0 <= t < vocab for t in stop_tokens):
+        raise RequestError(f"stop_tokens must be a list of token ids in [0, {vocab}) (None: the "
+                           f"model's, []: never stop early), not {stop_tokens!r}")
+    return frozenset(int(t) for t in stop_tokens)
+
+
+def check_tokens(tokens) -> None:
+    """A prompt as the prefix cache hashes it: a non-empty list of token ids (1.5 and True
+    would hash as 1 and find blocks that hold other tokens)."""
+    if not isinstance(tokens, (list, tuple)) or not tokens or not all(
+            whole(t) and t >= 0 for t in tokens):
+        raise RequestError(f"tokens must be a non-empty list of token ids, not {tokens!r}")
+
+
+def check_device(device, dtype=None) -> None:
+    """UsageError for a device torch does not know or this machine does not have (device="cuda"
+    without a GPU), or a dtype that is not a floating-point torch dtype."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"device must be a torch device such as 'cpu' or 'cuda', not {device!r}") \
+            from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device={str(device)!r} needs a CUDA GPU, and torch sees none here; "
+                         f"load the model with device='cpu'")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise UsageError(f"dtype must be a floating-point torch dtype such as torch.bfloat16 "
+                         f"(or None: the checkpoint's), not {dtype!r}")
+
+
 # -- a model, a request ---------------------------------------------------------------------------
 
 def check_model_args(args) -> None:
-    """UsageError for a ModelArgs whose sizes are not positive whole numbers or whose heads do
-    not split evenly."""
-    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"):
+    """UsageError for a ModelArgs the model would run with and answer nonsense (a negative RMS
+    epsilon gives NaN, then the same token over and over) or fail deep inside a forward pass:
+    sizes that are not positive whole numbers, heads that do not split evenly, an odd head
+    size, rope settings out of range, stop tokens outside the vocabulary."""
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len",
+                 "hidden_dim", "rope_original_max_len"):
         value = getattr(args, name)
+        if value is None and name == "hidden_dim":      # None: computed from dim
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UsageError(f"{name} must be a positive whole number, not {value!r}")
     if args.dim % args.n_heads or args.n_heads % args.n_kv_heads:
         raise UsageError(f"the heads must split evenly: dim {args.dim} into n_heads "
                          f"{args.n_heads}, and n_heads into n_kv_heads {args.n_kv_heads} "
                          f"groups (grouped-query attention)")
+    head_dim = args.dim // args.n_heads
+    if head_dim % 2:
+        raise UsageError(f"the head size dim / n_heads = {args.dim} / {args.n_heads} = "
+                         f"{head_dim} is odd, and rotary embeddings turn pairs of numbers")
+    if not (_finite(args.norm_eps) and 0 < args.norm_eps < 1):
+        raise UsageError(f"the RMS norm epsilon is {args.norm_eps!r}; it must be a small "
+                         f"positive number (Llama 3: 1e-05)")
+    if not (_finite(args.rope_theta) and args.rope_theta > 1):
+        raise UsageError(f"the rope base (theta) is {args.rope_theta!r}; it must be a number "
+                         f"above 1 (Llama 3: 500000)")
+    if args.use_scaled_rope:
+        for name in ("rope_scale_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            if not (_finite(getattr(args, name)) and getattr(args, name) > 0):
+                raise UsageError(f"{name} is {getattr(args, name)!r}, not a positive number")
+        if not args.rope_high_freq_factor > args.rope_low_freq_factor:
+            raise UsageError(f"the rope scaling's high_freq_factor ({args.rope_high_freq_factor}) "
+                             f"must be above its low_freq_factor ({args.rope_low_freq_factor})")
+    factors = args.rope_freq_factors
+    if factors is not None and not (len(factors) == head_dim // 2 and
+                                    all(_finite(f) and f > 0 for f in factors)):
+        raise UsageError(f"the rope frequency factors must be {head_dim // 2} positive numbers")
+    wrong = [t for t in args.stop_tokens or [] if not (whole(t) and 0 <= t < args.vocab_size)]
+    if wrong:
+        raise UsageError(f"the stop token {wrong[0]!r} is not an id of its vocabulary of "
+                         f"{args.vocab_size:,}")
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_sampling(temperature: float, top_p: float) -> None:
@@ -187,6 +287,18 @@ def check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_le
     """Refuse a request that cannot be served, before any work is done. Returns the limit of
     new tokens for each prompt (`max_new_tokens` may be one int or one per prompt)."""
     vocab = model.args.vocab_size
+    # first the kinds of value the checks below let through: bools as token ids or counts
+    # (True is an int to Python), and sampling settings that are not finite real numbers
+    for i, p in enumerate(prompts if isinstance(prompts, (list, tuple)) else []):
+        if isinstance(p, (list, tuple)) and any(isinstance(t, bool) for t in p):
+            raise RequestError(f"prompt {i} holds True or False; token ids are integers in "
+                               f"[0, {vocab})")
+    counts = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens]
+    if any(isinstance(m, bool) for m in counts):
+        raise RequestError(f"max_new_tokens must be an integer, not {max_new_tokens!r}")
+    for name, x in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x):
+            raise RequestError(f"{name} must be a finite number, not {x!r}")
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise RequestError("prompts must be a non-empty list of token-id lists")
     for i, p in enumerate(prompts):

@@ -28,7 +28,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .backends import available_backends
-from .checks import check_request
+from .checks import check_request, check_flag, check_stop_tokens, check_whole
 from .errors import RequestError, UsageError
 from .generation import sample
 from .kv_budget import bytes_per_block
@@ -37,52 +37,6 @@ from .scheduler import Request, Scheduler
 from .simulator import WATERMARK
 from .sizing import pool_blocks
 from .swap import SwapSpace
-
-
-# -- the checks of the engine's own arguments (the request's own: generation.check_request) ------
-
-def whole(value) -> bool:
-    """An integer (Python or numpy), not a bool: True is not a token id, nor a count."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_whole(name: str, value, low: int = 0) -> int:
-    """`value` as an int, if it is a whole number >= low (not 1.5, NaN, "3" or True)."""
-    if not whole(value) or value < low:
-        raise RequestError(f"{name} must be an integer >= {low}, not {value!r}")
-    return int(value)
-
-
-def check_flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise UsageError(f"{name} must be True or False, not {value!r}")
-
-
-def check_values(model, prompts, max_new_tokens, temperature, top_p) -> None:
-    """The kinds of value `check_request` lets through: bools as token ids or counts (True is
-    an int to Python), and sampling settings that are not finite real numbers."""
-    for i, p in enumerate(prompts if isinstance(prompts, (list, tuple)) else []):
-        if isinstance(p, (list, tuple)) and any(isinstance(t, bool) for t in p):
-            raise RequestError(f"prompt {i} holds True or False; token ids are integers in "
-                               f"[0, {model.args.vocab_size})")
-    counts = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens]
-    if any(isinstance(m, bool) for m in counts):
-        raise RequestError(f"max_new_tokens must be an integer, not {max_new_tokens!r}")
-    for name, x in (("temperature", temperature), ("top_p", top_p)):
-        if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x):
-            raise RequestError(f"{name} must be a finite number, not {x!r}")
-
-
-def check_stop_tokens(model, stop_tokens) -> frozenset:
-    """The stop tokens as a set (None: the model's), each a token id in [0, vocab)."""
-    if stop_tokens is None:
-        return frozenset(model.args.stop_tokens)
-    vocab = model.args.vocab_size
-    if not isinstance(stop_tokens, (list, tuple, set, frozenset)) or \
-            not all(whole(t) and 0 <= t < vocab for t in stop_tokens):
-        raise RequestError(f"stop_tokens must be a list of token ids in [0, {vocab}) (None: the "
-                           f"model's, []: never stop early), not {stop_tokens!r}")
-    return frozenset(int(t) for t in stop_tokens)
 
 
 def check_pool_options(num_blocks=None, kv_budget=None, watermark=WATERMARK, seed=0,
@@ -198,7 +152,6 @@ class Engine:
                     arrival_step: int = 0) -> Request:
         """Queue a prompt (token ids). It joins `waiting` at `arrival_step` (0: now). A request
         that is malformed, or that the pool could never hold, is refused here (RequestError)."""
-        check_values(self.model, [prompt], max_new_tokens, temperature, top_p)
         check_request(self.model, [prompt], max_new_tokens, temperature, top_p, self.max_seq_len)
         stop = check_stop_tokens(self.model, stop_tokens)
         arrival_step = check_whole("arrival_step", arrival_step)

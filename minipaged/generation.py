@@ -1,19 +1,13 @@
 """Stage 1: generation as a static batch — prefill each prompt, then decode every live sequence
-together until the last one ends.
-
-Prompts of different lengths share one batch without padding: each prompt is prefilled on its
-own (the cache remembers how long each sequence is), then every step feeds one token per live
-sequence, and each row continues at its own position (`cache.cache_seqlens`). Meta's reference
-instead pads prompts with -1 and replays the longer prompts token by token under an
-`input_text_mask`; per-sequence positions make that unnecessary, and they are what the paged
-cache and the engine of later stages need anyway.
+together until the last one ends. Each row continues at its own position (`cache_seqlens`), so
+prompts of different lengths need no padding (Meta's reference pads with -1 and masks instead).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .checks import check_request, check_sampling  # noqa: F401 (check_sampling: for callers)
+from .checks import check_request
 from .kv_cache import ContiguousCache
 
 
@@ -30,9 +24,8 @@ def sample(logits, temperature: float, top_p: float, generator=None) -> int:
 
 
 def row_generator(seed: int, index: int) -> torch.Generator:
-    """Each prompt samples from its own seeded stream, so its tokens do not depend on which
-    other prompts share its batch — nor, in the engine of later stages, on when it runs.
-    (Taken modulo 2**64, the seeds torch accepts, so no seed overflows.)"""
+    """A prompt's own seeded stream (modulo 2**64, the seeds torch takes), so its tokens do not
+    depend on which prompts share its batch, nor on when it runs."""
     return torch.Generator().manual_seed((seed * 1_000_003 + index) % 2**64)
 
 
@@ -40,15 +33,12 @@ def row_generator(seed: int, index: int) -> torch.Generator:
 def generate_static(model, prompts, max_new_tokens, cache=None, temperature: float = 0.0,
                     top_p: float = 1.0, stop_tokens=None, seed: int = 0,
                     max_seq_len: int | None = None, callback=None):
-    """Continue each prompt (a list of token ids) as one static batch; return only the new
-    tokens, in prompt order.
+    """Continue each prompt (token ids) as one static batch; return the new tokens in prompt order.
 
-    max_new_tokens: one int, or one per prompt. cache: any object with the cache interface
-    (`kv_cache.py`'s docstring) holding a row per prompt; None builds a
-    ContiguousCache that reserves `max_seq_len` slots for each. stop_tokens: None uses the
-    model's (`model.args.stop_tokens`), [] never stops early; a stop token ends its sequence and
-    is not returned. callback(event, seq_id, token, cache) is called after every prefill and
-    decode token — the notebooks use it to draw the cache as it fills.
+    max_new_tokens: an int or one per prompt. cache: any cache (`kv_cache.py`) with a row per
+    prompt; None builds a ContiguousCache. stop_tokens: None is the model's, [] never stops; a
+    stop token ends its sequence unreturned. callback(event, seq_id, token, cache) follows every
+    token (the notebooks draw the cache with it).
     """
     max_seq_len = max_seq_len or getattr(cache, "max_seq_len", None) or model.args.max_seq_len
     limits = check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_len)

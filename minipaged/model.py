@@ -1,11 +1,7 @@
-"""Stage 1: Llama 3 in plain PyTorch, with Meta's parameter names.
+"""Stage 1: Llama 3 in plain PyTorch, with Meta's parameter names, read top to bottom.
 
-Read top to bottom: the config, RMSNorm, rotary embeddings (with Llama 3.1's frequency
-scaling), grouped-query attention, the SwiGLU feed-forward, the block, the model.
-
-`model(tokens)` with no cache is the full causal forward: the ground truth every cache in
-this repository is checked against. With a cache, the only line that changes is where
-attention gets its keys and values (`cache.attend`).
+`model(tokens)` with no cache is the full causal forward, the ground truth every cache is checked
+against; with a cache, only where attention gets its keys and values changes (`cache.attend`).
 """
 
 from __future__ import annotations
@@ -45,7 +41,7 @@ class ModelArgs:
     def __post_init__(self):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        check_model_args(self)                # positive sizes, heads that split evenly
+        check_model_args(self)            # values the model could not run with (checks.py)
         if self.hidden_dim is None:       # Meta's FeedForward sizing, verbatim in spirit
             hidden = int(2 * (4 * self.dim) / 3)
             if self.ffn_dim_multiplier is not None:
@@ -70,8 +66,8 @@ class RMSNorm(nn.Module):
 
 
 def scale_rope_frequencies(freqs, args: ModelArgs):
-    """Llama 3.1's rope scaling: slow frequencies are divided by the factor, fast ones are kept,
-    and the band in between is blended smoothly. It lets a model trained at 8K read 128K."""
+    """Llama 3.1's rope scaling (a model trained at 8K reads 128K): slow frequencies are divided
+    by the factor, fast ones kept, the band between blended."""
     low_wavelen = args.rope_original_max_len / args.rope_low_freq_factor     # longer: scale fully
     high_wavelen = args.rope_original_max_len / args.rope_high_freq_factor   # shorter: keep
     wavelen = 2 * math.pi / freqs
@@ -95,19 +91,15 @@ def rope_frequencies(args: ModelArgs):
 
 
 def precompute_freqs_cis(freqs, positions):
-    """cos + i·sin of each position's angle for each frequency: (..., head_dim // 2) complex64.
-
-    Meta precomputes a table for every position up to 2·max_seq_len; computing the few rows a
-    step needs is as cheap and keeps a 128K-context model from carrying a 64 MB table."""
+    """cos + i·sin of each position's angle per frequency, (..., head_dim // 2) complex64: the rows
+    a step needs, not Meta's table for every position (64 MB at a 128K context)."""
     angles = positions.float()[..., None] * freqs                  # (..., d/2)
     return torch.polar(torch.ones_like(angles), angles)
 
 
 def apply_rotary_emb(xq, xk, freqs_cis):
-    """Rotate each (even, odd) pair of q and k by its position's angle (Meta's interleaved form).
-
-    xq (B, T, Hq, D), xk (B, T, Hk, D), freqs_cis (B, T, D/2) complex.
-    """
+    """Rotate each (even, odd) pair of q and k by its position's angle (Meta's interleaved form):
+    xq (B, T, Hq, D), xk (B, T, Hk, D), freqs_cis (B, T, D/2) complex."""
     xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))  # (B, T, Hq, D/2)
     xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
     f = freqs_cis[:, :, None, :]                                            # (B, T, 1, D/2)
@@ -180,13 +172,8 @@ class Llama(nn.Module):
         self.rope_freqs = rope_frequencies(args)
 
     def forward(self, tokens, cache=None, last_only: bool = False, logits_indices=None):
-        """tokens (B, T) -> logits (B, T, vocab) float32; (B, 1, vocab) with `last_only`; with
-        `logits_indices` (K,), the logits at those K positions of each row only, (B, K, vocab).
-
-        No cache: the T tokens are a whole sequence, positions 0..T-1, causal.
-        With a cache (after `cache.prepare`): token t of row b sits at position
-        `cache.positions[b, t]` of its sequence (row b continues after its cached tokens).
-        """
+        """tokens (B, T) -> logits (B, T, vocab) float32 ((B, 1, vocab) with `last_only`, (B, K,
+        vocab) at `logits_indices` (K,)). No cache: positions 0..T-1; with one, `cache.positions`."""
         B, T = tokens.shape
         if cache is None:
             positions = torch.arange(T, device=tokens.device)[None, :].expand(B, T)  # (B, T)

@@ -1,22 +1,14 @@
 """Stage 3: paged attention — attend over a KV cache scattered across fixed-size blocks.
 
-A paged cache stores a sequence's keys and values in blocks of `block_size` slots taken from
-a shared pool, `k_cache`/`v_cache` of shape (num_blocks, block_size, n_kv_heads, head_dim).
-Row b's `block_table[b]` lists its blocks in order: position `pos` of the row lives in block
-`block_table[b, pos // block_size]`, at offset `pos % block_size`.
-
-`flash_attn_with_kvcache` has flash-attn's signature and meaning, so the same call runs
-flash-attn's CUDA kernel where it can, and a readable PyTorch version everywhere else:
-
-  1. write the new k/v into their slots (through a slot mapping, vLLM's word for it);
-  2. gather each row's blocks into one contiguous (B, L, n_kv_heads, head_dim) tensor;
-  3. attend with the masked attention the contiguous cache uses (`attention_over_cache`).
-
-`backend=` picks the implementation: "auto" (flash-attn's kernel where it can serve the call,
-else this PyTorch version, "torch"), "flash_attn", "torch", or a kernel a later stage adds
-(stage 3b's "triton" and "cpu"), which runs only when asked for by name. Which one served the
-last call is `last_backend`. The checks of the inputs and the choice of backend are support
-code beside the stages (`checks.py`, `backends.py`): not needed on a first read.
+The pool `k_cache`/`v_cache` is (num_blocks, block_size, n_kv_heads, head_dim); row b's
+`block_table[b]` lists its blocks in order, so position `pos` lives in block
+`block_table[b, pos // block_size]` at offset `pos % block_size`. `flash_attn_with_kvcache` has
+flash-attn's signature and meaning: flash-attn's CUDA kernel where it can serve the call, else
+this readable PyTorch version, which (1) writes the new k/v through a slot mapping, (2) gathers
+each row's blocks into one contiguous tensor, (3) attends as the contiguous cache does.
+A later stage's kernel (`backend="triton"`, `"cpu"`) runs only when asked for by name. The input
+checks and the choice of backend are support code (`checks.py`, `backends.py`): not needed on a
+first read.
 """
 
 from __future__ import annotations
@@ -43,15 +35,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False,
                             *, backend: str = "auto"):
-    """Write `k`/`v` into the cache in place at `cache_seqlens`, then attend `q` over the cache.
-
-    q (B, Sq, Hq, D); paged cache (num_blocks, block_size, Hk, D) with `block_table` int32
-    (B, max_blocks), or flash-attn's non-paged cache (B_cache, seqlen_cache, Hk, D) with an
-    optional `cache_batch_idx` int32 (B,); k, v (B, Sk, Hk, D); `cache_seqlens` an int or an
-    int32 (B,) tensor of tokens already stored (None: every row fills its whole cache).
-    Row b attends to cache_seqlens[b] + Sk keys; `causal` aligns the mask bottom-right.
-    Returns (B, Sq, Hq, D). `backend` is one of `available_backends()`.
-    """
+    """Write `k`/`v` (B, Sk, Hk, D) into the cache in place at `cache_seqlens`, then attend `q`
+    (B, Sq, Hq, D) over cache_seqlens[b] + Sk keys of row b: (B, Sq, Hq, D). The cache is paged,
+    (num_blocks, block_size, Hk, D) with `block_table` int32 (B, max_blocks), or flash-attn's
+    non-paged (B_cache, seqlen_cache, Hk, D) with `cache_batch_idx`."""
     cache_seqlens = check_attention_inputs(q, k_cache, v_cache, k, v, cache_seqlens,
                                            cache_batch_idx, block_table, softmax_scale)
     name = pick_backend(backend, q, k_cache, block_table)
@@ -74,21 +61,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                  num_splits)
 
 
-# -- the PyTorch implementation ----------------------------------------------------------------
-
 def owned_block_table(q, k_cache, k, cache_seqlens, cache_batch_idx, block_table):
-    """The block table every backend but flash-attn's reads, and the lengths before and after
-    the new tokens: (table (B, n), cache_seqlens (B,), seqlens_k (B,)), all on q's device.
-
-    The table is cut to the n blocks the longest row needs, and every entry a row does not own
-    points at block 0: entries past a row's last block may be padding (-1, stale ids), and any
-    real block will do there, since no backend reads a slot past seqlens_k[b].
-    """
+    """(table (B, n), cache_seqlens (B,), seqlens_k (B,)): the table cut to the n blocks the
+    longest row needs, entries a row does not own (padding, stale ids) pointed at block 0, which
+    no backend reads past seqlens_k[b]; the lengths before and after the new tokens."""
     B, device = q.shape[0], q.device
     num_blocks, block_size = k_cache.shape[:2]
     if block_table is None:
-        # flash-attn's non-paged mode is the paged mode with one block per row, as long as
-        # a whole cache row: block_table[b] = [cache_batch_idx[b]].
+        # non-paged: one block per row, a whole cache row long
         rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(B)
         block_table = rows[:, None]                                           # (B, 1)
     block_table = block_table.to(device)
@@ -107,13 +87,9 @@ def owned_block_table(q, k_cache, k, cache_seqlens, cache_batch_idx, block_table
 
 
 def write_new_kv(k_cache, v_cache, k, v, table, cache_seqlens) -> None:
-    """Write the new k/v (B, Sk, Hk, D) in place, at positions cache_seqlens[b] ... of row b.
-
-    New token t of row b goes to position p = cache_seqlens[b] + t, which is slot
-    table[b, p // block_size] * block_size + p % block_size of the pool seen as one long array
-    of slots (vLLM's slot_mapping). Like vLLM's reshape_and_cache, split the slot back into
-    (block, offset) to write without assuming the pool's memory layout.
-    """
+    """Write the new k/v (B, Sk, Hk, D) in place: token t of row b at position
+    p = cache_seqlens[b] + t, slot table[b, p // block_size] * block_size + p % block_size of the
+    pool seen as one array of slots (vLLM's slot_mapping), split back into (block, offset)."""
     if k is None:
         return
     block_size, n_new, device = k_cache.shape[1], k.shape[1], k.device
@@ -136,11 +112,8 @@ def _gather_and_attend(q, k_cache, v_cache, table, seqlens_k, causal, softmax_sc
 
 
 def _gather(cache, table, L):
-    """Copy the first L slots of each row's blocks into one contiguous (B, L, Hk, D) tensor.
-
-    `index_select` along the block dimension copies each block as one piece of memory; the
-    equivalent `cache[table]` goes element by element and takes twice as long on a CPU.
-    """
+    """The first L slots of each row's blocks, one contiguous (B, L, Hk, D) tensor (index_select
+    copies a block as one piece; `cache[table]` goes element by element, twice as slow on a CPU)."""
     blocks = cache.index_select(0, table.reshape(-1))          # (B * n, block_size, Hk, D)
     return blocks.view(table.shape[0], -1, *cache.shape[2:])[:, :L]    # (B, L, Hk, D)
 

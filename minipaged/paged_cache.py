@@ -1,13 +1,8 @@
 """Stage 3: the paged KV cache the model runs on — stage 2's CacheManagers behind stage 1's
-cache interface (stated once, in `kv_cache.py`'s docstring), attending with stage 3's
-`flash_attn_with_kvcache` (`paged_attention.py`).
+cache interface (stated once, in `kv_cache.py`), attending with `flash_attn_with_kvcache`.
 
-`prepare` takes blocks for the new tokens in every layer and notes what the step's attention
-reads: `cache_seqlens`, `positions` and each layer's block table. `attend` is one call of
-`flash_attn_with_kvcache` on the layer's pool, which writes the new k/v through the slot
-mapping and attends. So `generation.generate_static` runs on it unchanged: `generate_paged`
-below is stage 1's static batch on a paged cache. What changes is memory: a sequence holds
-blocks for the tokens it has, not for `max_seq_len`, and a finished one returns them at once.
+A sequence holds blocks for the tokens it has, not for `max_seq_len`, and a finished one returns
+them at once; `generate_paged` is stage 1's static batch (`generate_static`) on this cache.
 """
 
 from __future__ import annotations
@@ -17,18 +12,15 @@ import torch
 from .cache_manager import CacheManager
 from .checks import check_count, check_pool, check_request, check_sizes, check_step_ids, \
     check_step_room
-from .errors import OutOfBlocksError
 from .generation import generate_static
 from .kv_cache import kv_bytes_per_token
 from .paged_attention import flash_attn_with_kvcache
-from .sizing import pool_blocks
+from .sizing import static_pool_blocks
 
 
 class PagedCache:
-    """One CacheManager per layer, driven in step: every layer holds the same tokens, each in
-    blocks of its own pool, drawn from its own random free set (layer i with seed `seed + i`).
-    `backend` is `flash_attn_with_kvcache`'s ("auto": flash-attn's kernel where it can, else
-    PyTorch)."""
+    """One CacheManager per layer, driven in step: every layer holds the same tokens, in blocks
+    of its own pool drawn from its own random free set (layer i with seed `seed + i`)."""
 
     STEP = ("cache_seqlens", "positions", "block_tables")   # what `attend` reads, set by prepare
 
@@ -53,8 +45,7 @@ class PagedCache:
 
     # -- the cache interface ---------------------------------------------------------------------
     def prepare(self, seq_ids, num_new_tokens: int) -> None:
-        """Before a forward: new sequences reserve blocks, known ones grow — in every layer, or
-        (RequestError, OutOfBlocksError) in none."""
+        """New sequences reserve blocks, known ones grow: in every layer, or in none (an error)."""
         seq_ids, n, first = check_step_ids(self, seq_ids), check_count(num_new_tokens), \
             self.managers[0]
         new = [s for s in seq_ids if s not in first]
@@ -79,8 +70,7 @@ class PagedCache:
         self.block_tables = [m.block_table_for(seq_ids) for m in self.managers]    # (B, W) each
 
     def attend(self, layer: int, q, k, v):
-        """Store the step's k/v (B, T, Hk, D) in the layer's blocks and attend q (B, T, Hq, D)
-        over everything each row stored: lesson 03's call, on this layer's pool."""
+        """Store the step's k/v (B, T, Hk, D) in the layer's blocks, attend q (B, T, Hq, D)."""
         m = self.managers[layer]
         return flash_attn_with_kvcache(q, m.k_cache_paged, m.v_cache_paged, k, v,
                                        cache_seqlens=self.cache_seqlens,
@@ -92,7 +82,6 @@ class PagedCache:
         for m in self.managers:
             m.free(seq_id)
 
-    # -- questions -------------------------------------------------------------------------------
     def __contains__(self, seq_id) -> bool:
         return seq_id in self.managers[0]
 
@@ -102,7 +91,7 @@ class PagedCache:
 
     @property
     def num_free_blocks(self) -> int:
-        """Free blocks per layer (every layer holds the same tokens, so the same count)."""
+        """Free blocks per layer (the same in every layer)."""
         return self.managers[0].num_free_blocks
 
     @property
@@ -122,27 +111,15 @@ def generate_paged(model, prompts, max_new_tokens, block_size: int = 16,
                    num_blocks: int | None = None, kv_budget: int | None = None, seed: int = 0,
                    backend: str = "auto", max_seq_len: int | None = None,
                    cache_class=None, **options):
-    """Stage 3 on its own: stage 1's static batch (`generate_static`) on a PagedCache.
-
-    The pool has `num_blocks` blocks per layer, or as many as `kv_budget` bytes hold, or else
-    exactly enough for every prompt at its full length. A static batch cannot wait or preempt
-    (that is stage 5), so a pool too small for all of them at once is refused before any work.
-    Other options (temperature, top_p, stop_tokens, callback...) are `generate_static`'s.
-    `cache_class`: the cache to build (default PagedCache; `minipaged.fast` passes its own).
-    """
+    """Stage 1's static batch on a PagedCache (`cache_class`, e.g. the speed layer's) of
+    `num_blocks` blocks per layer, or as many as `kv_budget` bytes hold, or just enough for every
+    prompt at full length. Other options (temperature, stop_tokens, ...) are `generate_static`'s."""
     max_seq_len = max_seq_len or model.args.max_seq_len
     limits = check_request(model, prompts, max_new_tokens, options.get("temperature", 0.0),
                            options.get("top_p", 1.0), max_seq_len)
     lengths = [len(p) + m for p, m in zip(prompts, limits)]
     p = next(model.parameters())
-    blocks = pool_blocks(model.args, p.dtype, block_size, num_blocks, kv_budget, lengths)
-    worst = pool_blocks(model.args, p.dtype, block_size, lengths=lengths)
-    if worst > blocks:
-        raise OutOfBlocksError(
-            f"these prompts may need {worst} blocks per layer at once but the pool has "
-            f"{blocks}: a static batch cannot wait for blocks. Give the pool more memory, or "
-            f"serve them with stage 5's engine (minipaged.generate(..., cache='paged')), which "
-            f"admits and preempts.")
+    blocks = static_pool_blocks(model.args, p.dtype, block_size, num_blocks, kv_budget, lengths)
     cache = (cache_class or PagedCache)(model.args, blocks, block_size, len(prompts),
                                         max_seq_len, device=p.device, dtype=p.dtype, seed=seed,
                                         backend=backend)

@@ -25,18 +25,11 @@ import numbers
 import numpy as np
 
 from .cache_manager import CacheManager
-from .checks import check_count, check_live, check_new, check_one, check_room, check_step_room
+from .checks import check_count, check_live, check_new, check_one, check_room, check_step_room, \
+    check_tokens
 from .errors import RequestError
 from .paged_cache import PagedCache
 from .prefix_cache import PrefixCache, block_hashes
-
-
-def check_tokens(tokens) -> None:
-    """A prompt as the prefix cache hashes it: a non-empty list of token ids (1.5 and True
-    would hash as 1 and find blocks that hold other tokens)."""
-    if not isinstance(tokens, (list, tuple)) or not tokens or not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in tokens):
-        raise RequestError(f"tokens must be a non-empty list of token ids, not {tokens!r}")
 
 
 class SharedCacheManager(CacheManager):

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
+from .checks import check_flag, whole
 from .chunked_engine import ChunkedEngine
 from .chunked_prefill import ChunkedScheduler
-from .engine import check_flag, whole
 from .errors import RequestError
 from .scheduler import Request
 from .sharing import SharedPagedCache

@@ -1,7 +1,7 @@
 """Support, not a stage (not needed on a first read): sizing a model's pools in one call.
 
-`pool_blocks` is what the engines, the chat and the static generation of stage 3 call; the
-arithmetic is stage 2's (`kv_budget.py`).
+`pool_blocks` is what the engines and the chat call, `static_pool_blocks` stage 3's static
+generation; the arithmetic is stage 2's (`kv_budget.py`).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .cache_manager import CacheManager
-from .errors import RequestError
+from .errors import OutOfBlocksError, RequestError
 from .kv_budget import num_blocks_for_budget
 
 
@@ -28,6 +28,21 @@ def pool_blocks(args, dtype, block_size: int, num_blocks: int | None = None,
         raise RequestError(f"a pool needs a positive number of blocks (num_blocks, or a kv_budget "
                            f"in bytes), not {num_blocks!r}")
     return num_blocks
+
+
+def static_pool_blocks(args, dtype, block_size: int, num_blocks: int | None, kv_budget: int | None,
+                       lengths) -> int:
+    """`pool_blocks` for a static batch (stage 3's `generate_paged`), which cannot wait or
+    preempt (that is stage 5): a pool too small for every sequence at once is refused."""
+    blocks = pool_blocks(args, dtype, block_size, num_blocks, kv_budget, lengths)
+    worst = pool_blocks(args, dtype, block_size, lengths=lengths)
+    if worst > blocks:
+        raise OutOfBlocksError(
+            f"these prompts may need {worst} blocks per layer at once but the pool has "
+            f"{blocks}: a static batch cannot wait for blocks. Give the pool more memory, or "
+            f"serve them with stage 5's engine (minipaged.generate(..., cache='paged')), which "
+            f"admits and preempts.")
+    return blocks
 
 
 def kv_budget_from_free_memory(fraction: float = 0.9, device="cuda") -> int:

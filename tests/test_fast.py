@@ -17,7 +17,7 @@ from conftest import greedy_reference, tiny_model
 from minipaged import generate
 from minipaged import OutOfBlocksError, RequestError
 from minipaged.cache_manager import CacheManager
-from minipaged.fast import FastEngine, FastPagedCache, FusedLlama, compile_decode
+from minipaged.fast import FastContiguousCache, FastEngine, FastPagedCache, FusedLlama, compile_decode
 from minipaged.fast import paged as fast_paged
 from minipaged.fast.paged import share_bookkeeping
 from minipaged.fast import compiled as compiled_module
@@ -119,6 +119,27 @@ def test_fused_greedy_tokens_are_the_no_cache_references(cache, options):
     fast = FusedLlama(model)
     got = generate(fast, PROMPTS, 12, cache=cache, stop_tokens=[], max_seq_len=64, **options)
     assert got == [greedy_reference(model, p, 12) for p in PROMPTS]
+
+
+def test_the_fast_contiguous_cache_gives_the_no_cache_references():
+    """Rows of different lengths, decoded row by row over views: the greedy tokens of the
+    no-cache forward, and logits equal to stage 1's ContiguousCache's."""
+    model = tiny_model()
+    got = generate(model, PROMPTS, 12, cache=FastContiguousCache(model.args, len(PROMPTS), 64,
+                                                                 dtype=torch.float64),
+                   stop_tokens=[])
+    assert got == [greedy_reference(model, p, 12) for p in PROMPTS]
+    caches = [FastContiguousCache(model.args, 3, 64, dtype=torch.float64),
+              ContiguousCache(model.args, 3, 64, dtype=torch.float64)]
+    logits = []
+    with torch.no_grad():
+        for cache in caches:
+            for i, p in enumerate(PROMPTS):
+                cache.prepare([i], len(p))
+                model(torch.tensor([p]), cache=cache)
+            cache.prepare([0, 1, 2], 1)
+            logits.append(model(torch.tensor([[1], [2], [3]]), cache=cache))
+    assert torch.allclose(logits[0], logits[1], rtol=0, atol=1e-10)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""One decode step's block bookkeeping: the seed code's Python loops vs minipaged's CacheManager.
+"""One decode step's block bookkeeping: Python loops over a dict per layer vs CacheManager's arrays.
 
     python -m minipaged.benchmarks.bookkeeping            # 64 sequences x 16 layers, block 16
     python -m minipaged.benchmarks.bookkeeping --steps 50 # quicker
@@ -33,20 +33,20 @@ from ..errors import OutOfBlocksError
 from ..kv_budget import num_blocks_for_budget
 
 
-# -- the baseline: the seed's CacheManager (paged-attention-minimal), behaviour kept -------------
+# -- the baseline: paged-attention-minimal's CacheManager, behaviour kept ----------------------
 
-class SeedCacheManager:
-    """The seed code's bookkeeping, rewritten with its data structures and loops unchanged:
+class LoopCacheManager:
+    """paged-attention-minimal's bookkeeping, rewritten with its data structures and loops kept:
     a dict of [(block, filled)] lists per batch slot, a set of free blocks drawn with
     `random.choice(list(set))`, a per-slot Python loop in `update`, and a block table rebuilt
-    from lists on every call. Its KV pool is left out (not bookkeeping). `admit` is the seed's
-    constructor loop for one slot, after giving back the block the seed keeps on free."""
+    from lists on every call. Its KV pool is left out (not bookkeeping). `admit` is its
+    constructor loop for one slot, after giving back the block it keeps on free."""
 
     def __init__(self, num_blocks, block_size, batch_size, prompt_lens, fast_pick=False):
         self.block_size, self.batch_size = block_size, batch_size
         self.block_table = {i: [] for i in range(batch_size)}
         self.free_blocks = set(range(num_blocks))
-        self.fast_pick = fast_pick          # ablation: an O(1) random pick, all else the seed's
+        self.fast_pick = fast_pick          # ablation: an O(1) random pick, all else as before
         self._free_list, self._rng = list(range(num_blocks)), random.Random(1)
         for i, t in enumerate(prompt_lens):
             self.admit(i, t)
@@ -136,19 +136,19 @@ def make_schedule(batch, steps, seed=0, max_len=2048):
     return prompts, events
 
 
-def run_seed(managers, batch, events):
+def run_loops(managers, batch, events):
     no_prompt = [False] * batch
     start = time.perf_counter()
     for ended in events:
         eos = [False] * batch
         for i, _ in ended:
             eos[i] = True
-        for cm in managers:                            # the seed's per-step update, every layer
+        for cm in managers:                            # its per-step update, every layer
             cm.update(eos, no_prompt)
         for cm in managers:
             for i, prompt in ended:
                 cm.admit(i, prompt)
-        for cm in managers:                            # the seed asks in every layer's forward
+        for cm in managers:                            # asked for in every layer's forward
             cm.get_block_table()
     return time.perf_counter() - start
 
@@ -221,11 +221,11 @@ def main(argv=None):
 
     taken = []
     runners = {
-        "seed-style (faithful)": lambda: run_seed(
-            [SeedCacheManager(num_blocks, bs, args.batch, prompts) for _ in range(args.layers)],
+        "Python loops, dicts": lambda: run_loops(
+            [LoopCacheManager(num_blocks, bs, args.batch, prompts) for _ in range(args.layers)],
             args.batch, events),
-        "seed-style, O(1) random pick": lambda: run_seed(
-            [SeedCacheManager(num_blocks, bs, args.batch, prompts, fast_pick=True)
+        "the same, O(1) pick": lambda: run_loops(
+            [LoopCacheManager(num_blocks, bs, args.batch, prompts, fast_pick=True)
              for _ in range(args.layers)], args.batch, events),
         "minipaged CacheManager": lambda: run_minipaged(fresh_minipaged(), args.batch, events,
                                                         taken),
@@ -238,14 +238,15 @@ def main(argv=None):
     best = {name: min(t) for name, t in times.items()}
 
     crossings = sum(len(e) for e in events)
-    table = Table(title=f"one decode step's block bookkeeping: batch {args.batch} x "
+    table = Table(title=f"one decode step's block bookkeeping, paged-attention-minimal's Python "
+                        f"loops over a dict per layer vs CacheManager's arrays: batch {args.batch} x "
                         f"{args.layers} layers, block {bs}, {num_blocks} blocks per layer, "
                         f"{args.steps} steps ({crossings} requests ended and replaced)")
     table.add_column("implementation")
     table.add_column("µs / step", justify="right")
     table.add_column("µs / layer-step", justify="right")
-    table.add_column("faithful seed ÷ this", justify="right")
-    base = best["seed-style (faithful)"]
+    table.add_column("loops ÷ this", justify="right")
+    base = best["Python loops, dicts"]
     for name, seconds in best.items():
         per_step = seconds / args.steps * 1e6
         table.add_row(name, f"{per_step:,.0f}", f"{per_step / args.layers:,.1f}",

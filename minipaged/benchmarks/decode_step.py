@@ -45,9 +45,8 @@ from rich.table import Table
 from torch.profiler import ProfilerActivity, profile
 
 from .. import cli, cpu_attention, kv_cache
-from ..kv_cache import ContiguousCache
 from ..model import Llama, ModelArgs
-from ..fast import FastPagedCache
+from ..fast import FastContiguousCache, FastPagedCache
 from ..paged_cache import PagedCache
 
 PARTS = ("prepare", "write+gather", "attention", "rest")   # the columns, in order
@@ -103,7 +102,7 @@ def build(args):
     seq_ids = list(range(args.batch))
     need = sum(-(-(c + args.steps + 1) // args.block_size) for c in contexts)
     caches = {
-        "contiguous": ContiguousCache(margs, args.batch, margs.max_seq_len),
+        "contiguous": FastContiguousCache(margs, args.batch, margs.max_seq_len),
         "paged": (FastPagedCache if args.paged == "fast" else PagedCache)(
             margs, num_blocks=need + args.batch, block_size=args.block_size, max_seqs=args.batch,
             max_seq_len=margs.max_seq_len, backend=args.backend),

@@ -56,10 +56,9 @@ from rich.table import Table
 
 from .. import cli, paged_attention
 from ..api import generate
-from ..fast import FastEngine, FastPagedCache, FusedLlama, compile_decode
+from ..fast import FastContiguousCache, FastEngine, FastPagedCache, FusedLlama, compile_decode
 from ..formats import chat_format, load_model, load_tokenizer, packaged_model_path
 from ..formats.atomic import write_file
-from ..kv_cache import ContiguousCache
 from ..paged_cache import generate_paged
 from . import decode_step
 
@@ -111,7 +110,9 @@ def ours_decode(model, prompt, n, how):
     if how == "paged":
         generate_paged(model, [prompt], n, cache_class=FastPagedCache, **options)
     elif how == "contiguous":
-        generate(model, [prompt], n, cache="contiguous", **options)
+        p = next(model.parameters())
+        cache = FastContiguousCache(model.args, 1, len(prompt) + n, device=p.device, dtype=p.dtype)
+        generate(model, [prompt], n, cache=cache, **options)
     else:
         generate(model, [prompt], n, cache="paged", engine_class=FastEngine, **options)
     return decode_rate(stamps)
@@ -139,8 +140,8 @@ def paged_over_contiguous(model, prompt, n, rounds: int = STEP_ROUNDS):
     total = len(prompt) + n
     timers = {"contiguous": decode_step.Timer(), "paged": decode_step.Timer()}
     for _ in range(rounds):
-        caches = {"contiguous": ContiguousCache(model.args, 1, total, device=p.device,
-                                                dtype=p.dtype),
+        caches = {"contiguous": FastContiguousCache(model.args, 1, total, device=p.device,
+                                                    dtype=p.dtype),
                   "paged": FastPagedCache(model.args, -(-total // 16), 16, 1, total,
                                           device=p.device, dtype=p.dtype)}
         tokens = {}

@@ -28,9 +28,10 @@ import time
 
 import torch
 
+from ..checks import check_sampling
 from ..errors import OutOfBlocksError, RequestError
 from ..formats import chat_format
-from ..generation import check_sampling, row_generator, sample
+from ..generation import row_generator, sample
 
 
 def format_pieces(fmt, system=None):

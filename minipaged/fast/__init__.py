@@ -5,6 +5,7 @@
                     drop-in for a `Llama`
     compiled.py     compile_decode: its decode step compiled into one graph (torch.compile with
                     freezing), attention left to the cache; optional, eager when it cannot
+    contiguous.py   FastContiguousCache: stage 1's contiguous cache, decode row by row over views
     paged.py        FastPagedCache, FastEngine: stage 3's paged cache with a step's bookkeeping
                     planned once for all layers, and stage 3b's C kernel for decode on a CPU
 
@@ -14,8 +15,9 @@ Nothing in the stages imports this package: it runs only when asked for, e.g.
 """
 
 from .compiled import compile_decode
+from .contiguous import FastContiguousCache
 from .fused_llama import FusedLlama
 from .paged import FastEngine, FastPagedCache, FastSharedPagedCache, fast_backend
 
-__all__ = ["FastEngine", "FastPagedCache", "FastSharedPagedCache", "FusedLlama", "compile_decode",
+__all__ = ["FastContiguousCache", "FastEngine", "FastPagedCache", "FastSharedPagedCache", "FusedLlama", "compile_decode",
            "fast_backend"]

@@ -34,10 +34,10 @@ from ..cache_manager import PAD_BLOCK
 from ..checks import check_count, check_step_ids, check_step_room
 from ..cpu_attention import why_not_cpu
 from ..errors import RequestError
-from ..kv_cache import attend_rows, upcast
 from ..paged_cache import PagedCache
 from ..sharing import SharedPagedCache
 from ..sharing_engine import SharingEngine
+from .contiguous import attend_rows, upcast
 
 
 class PagedStep(NamedTuple):

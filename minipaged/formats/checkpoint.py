@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..checks import check_model_args
 from ..errors import CheckpointError, UsageError
 from ..model import Llama, ModelArgs
 
@@ -89,55 +90,21 @@ def setting(cfg: dict, key: str, kind: str, source, default=REQUIRED, nullable: 
 
 
 def model_args(source, **fields) -> ModelArgs:
-    """ModelArgs from a checkpoint's settings; the model's own checks name `source`."""
+    """ModelArgs from a checkpoint's settings; the model's own checks (`checks.check_model_args`)
+    name `source`."""
     try:
         return ModelArgs(**fields)
     except UsageError as e:
-        raise CheckpointError(f"{source}: {e}") from None
+        raise CheckpointError(f"{source}: {e}; this checkpoint cannot be right") from None
 
 
 def check_args(args: ModelArgs, source) -> ModelArgs:
-    """The values that shape the computation, whatever format they came from, checked where
-    the model would otherwise run with them and answer nonsense (a negative RMS epsilon gives
-    NaN, then the same token over and over) or fail deep inside a forward pass."""
-    def refuse(what):
-        raise CheckpointError(f"{source}: {what}; this checkpoint cannot be right")
-
-    def finite(value):
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and \
-            math.isfinite(value)
-
-    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim",
-                 "max_seq_len", "rope_original_max_len"):
-        value = getattr(args, name)
-        if not KINDS["count"][1](value):
-            refuse(f"{name} is {value!r}, not {KINDS['count'][0]}")
-    if args.head_dim % 2:
-        refuse(f"the head size dim / n_heads = {args.dim} / {args.n_heads} = {args.head_dim} "
-               f"is odd, and rotary embeddings turn pairs of numbers")
-    if not (finite(args.norm_eps) and 0 < args.norm_eps < 1):
-        refuse(f"the RMS norm epsilon is {args.norm_eps!r}; it must be a small positive number "
-               f"(Llama 3: 1e-05)")
-    if not (finite(args.rope_theta) and args.rope_theta > 1):
-        refuse(f"the rope base (theta) is {args.rope_theta!r}; it must be a number above 1 "
-               f"(Llama 3: 500000)")
-    if args.use_scaled_rope:
-        for name in ("rope_scale_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
-            if not (finite(getattr(args, name)) and getattr(args, name) > 0):
-                refuse(f"{name} is {getattr(args, name)!r}, not a positive number")
-        if not args.rope_high_freq_factor > args.rope_low_freq_factor:
-            refuse(f"the rope scaling's high_freq_factor ({args.rope_high_freq_factor}) must be "
-                   f"above its low_freq_factor ({args.rope_low_freq_factor})")
-    factors = args.rope_freq_factors
-    if factors is not None and not (len(factors) == args.head_dim // 2 and
-                                    all(finite(f) and f > 0 for f in factors)):
-        refuse(f"the rope frequency factors must be {args.head_dim // 2} positive numbers")
-    wrong = [t for t in args.stop_tokens or [] if not (isinstance(t, int) and not
-                                                        isinstance(t, bool) and
-                                                        0 <= t < args.vocab_size)]
-    if wrong:
-        refuse(f"the stop token {wrong[0]!r} is not an id of its vocabulary of "
-               f"{args.vocab_size:,}")
+    """`checks.check_model_args` once more on a loaded config (its values may have been set
+    after ModelArgs was built), as a CheckpointError naming `source`."""
+    try:
+        check_model_args(args)
+    except UsageError as e:
+        raise CheckpointError(f"{source}: {e}; this checkpoint cannot be right") from None
     return args
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..checks import check_device
 from ..errors import CheckpointError, TokenizerError, UsageError
 from ..model import Llama
 from .atomic import recover
@@ -91,22 +92,6 @@ def _check_state(state: dict, model: Llama, folder: Path, config_name: str):
             raise CheckpointError(f"{folder}: tensor {k} holds {state[k].dtype} values; a "
                                   f"model's weights are floating-point numbers")
 
-
-
-def check_device(device, dtype=None) -> None:
-    """UsageError for a device torch does not know or this machine does not have (device="cuda"
-    without a GPU), or a dtype that is not a floating-point torch dtype."""
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise UsageError(f"device must be a torch device such as 'cpu' or 'cuda', not {device!r}") \
-            from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"device={str(device)!r} needs a CUDA GPU, and torch sees none here; "
-                         f"load the model with device='cpu'")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise UsageError(f"dtype must be a floating-point torch dtype such as torch.bfloat16 "
-                         f"(or None: the checkpoint's), not {dtype!r}")
 
 
 def load_tokenizer(path=None):
