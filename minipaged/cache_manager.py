@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import torch
 
+from .cache_queries import ManagerQueries   # what drawings and later stages ask: not the idea
 from .checks import check_count, check_live, check_new, check_one, check_pool, check_room
 from .kv_cache import kv_bytes_per_token
 
@@ -49,7 +49,7 @@ class FreeBlockSet:
         return sorted(self._ids)
 
 
-class CacheManager:
+class CacheManager(ManagerQueries):
     """One layer's pool, its free blocks and a block table per sequence (seq ids are the
     tables' rows). Allocation succeeds completely or raises before changing anything."""
 
@@ -77,20 +77,8 @@ class CacheManager:
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
     def __contains__(self, seq_id) -> bool:
         return int(seq_id) in self._live
-
-    def live_seq_ids(self) -> list[int]:
-        return sorted(self._live)
-
-    def blocks_of(self, seq_id: int) -> list[int]:
-        """A sequence's physical blocks in logical order: its block table without the padding."""
-        s = check_one(self, seq_id)
-        return self._table[s, : self._held[s]].tolist()
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that `num_tokens` tokens fill: ceil(num_tokens / block_size)."""
@@ -166,14 +154,3 @@ class CacheManager:
     def seq_lens_for(self, seq_ids) -> torch.Tensor:
         """int32 (B,): tokens stored for each listed sequence (flash-attn's cache_seqlens)."""
         return torch.from_numpy(self._lens[check_live(self, seq_ids)]).to(self.device)  # a copy
-
-    def pool_usage(self):
-        """Per physical block: owning seq id (-1: free) and tokens filled. For drawings, stats."""
-        owner = np.full(self.num_blocks, -1, dtype=np.int64)
-        filled = np.zeros(self.num_blocks, dtype=np.int64)
-        for s in self._live:
-            blocks = self._table[s, : self._held[s]]
-            owner[blocks] = s
-            filled[blocks] = self.block_size
-            filled[blocks[-1:]] = self._lens[s] - (len(blocks) - 1) * self.block_size  # the last
-        return owner, filled

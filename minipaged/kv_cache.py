@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .cache_queries import ContiguousQueries   # what drawings ask: not the idea
 from .checks import check_contiguous, check_count, check_row_room, check_rows
 
 
@@ -79,7 +80,7 @@ def masked_attention(q, k_ctx, v_ctx, seqlens_k, causal, scale):
     return y.masked_fill(sees_nothing[:, None, :, None], 0)         # (B, Hq, Sq, D)
 
 
-class ContiguousCache:
+class ContiguousCache(ContiguousQueries):
     """Per layer a `(max_batch, max_seq_len, n_kv_heads, head_dim)` pair, reserved up front:
     sequence `i` owns row `i` of every layer for its whole life, used or not."""
 
@@ -122,17 +123,3 @@ class ContiguousCache:
         seqlens_k = self.cache_seqlens.to(q.device) + q.shape[1]                 # (B,)
         L = int(seqlens_k.max())
         return attention_over_cache(q, k_cache[rows, :L], v_cache[rows, :L], seqlens_k)
-
-    # -- what the lesson draws ------------------------------------------------------------------
-    def usage(self):
-        """(used, reserved) slots per row: used = tokens stored, reserved = max_seq_len each."""
-        return self.seq_lens.tolist(), [self.max_seq_len] * self.max_batch
-
-    def bytes_per_slot(self) -> int:
-        """Bytes of K and V for one token position, summed over all layers."""
-        _, _, n_kv_heads, head_dim = self.k_cache[0].shape
-        return kv_bytes_per_token(n_kv_heads, head_dim, self.k_cache[0].dtype, self.n_layers)
-
-    def reserved_bytes(self) -> int:
-        """What this cache took from memory the moment it was built, used or not."""
-        return self.max_batch * self.max_seq_len * self.bytes_per_slot()

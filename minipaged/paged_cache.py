@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .cache_manager import CacheManager
+from .cache_queries import PagedCacheQueries   # what later stages ask: not the idea
 from .checks import check_count, check_pool, check_request, check_sizes, check_step_ids, \
     check_step_room
 from .generation import generate_static
@@ -18,7 +19,7 @@ from .paged_attention import flash_attn_with_kvcache
 from .sizing import static_pool_blocks
 
 
-class PagedCache:
+class PagedCache(PagedCacheQueries):
     """One CacheManager per layer, driven in step: every layer holds the same tokens, in blocks
     of its own pool drawn from its own random free set (layer i with seed `seed + i`)."""
 
@@ -81,29 +82,6 @@ class PagedCache:
         """A finished sequence returns every block, in every layer, at once."""
         for m in self.managers:
             m.free(seq_id)
-
-    def __contains__(self, seq_id) -> bool:
-        return seq_id in self.managers[0]
-
-    def blocks_to_grow(self, seq_id: int, num_new_tokens: int = 1) -> int:
-        """Blocks per layer that one sequence's next `num_new_tokens` tokens take."""
-        return self.managers[0].blocks_needed([seq_id], num_new_tokens)
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Free blocks per layer (the same in every layer)."""
-        return self.managers[0].num_free_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.managers[0].num_used_blocks
-
-    def usage(self):
-        """(used, reserved) slots per live sequence: tokens stored vs blocks held x block_size."""
-        m = self.managers[0]
-        ids = m.live_seq_ids()
-        return ([int(m.seq_lens[s]) for s in ids],
-                [int(m.num_blocks_held[s]) * self.block_size for s in ids])
 
 
 @torch.inference_mode()
