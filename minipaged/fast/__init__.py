@@ -19,5 +19,5 @@ from .contiguous import FastContiguousCache
 from .fused_llama import FusedLlama
 from .paged import FastEngine, FastPagedCache, FastSharedPagedCache, fast_backend
 
-__all__ = ["FastContiguousCache", "FastEngine", "FastPagedCache", "FastSharedPagedCache", "FusedLlama", "compile_decode",
-           "fast_backend"]
+__all__ = ["FastContiguousCache", "FastEngine", "FastPagedCache", "FastSharedPagedCache",
+           "FusedLlama", "compile_decode", "fast_backend"]
