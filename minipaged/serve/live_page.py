@@ -7,7 +7,8 @@ queues, and the tokens the last step ran.
 
 Each picture it draws is also written, counted from the drawn cells themselves, into
 `<pre id="drawn">` (one line per picture: version, used cells, cached cells, shared cells), so
-a test can compare what a browser drew with the server's own figures."""
+a test can compare what a browser drew with the server's own figures. `/?frames=N` stops
+listening after N pictures, so that a headless browser sees the page settle."""
 
 LIVE_PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>minipaged: the KV pool, live</title>
@@ -76,8 +77,13 @@ function draw(state) {
   document.getElementById("drawn").textContent += line + "\\n";
 }
 
+// ?frames=N: stop listening after N pictures (a headless browser then sees the page settle)
+var frames = Number(new URLSearchParams(location.search).get("frames") || 0), drawn = 0;
 var events = new EventSource("/pool/events");
-events.onmessage = function (e) { draw(JSON.parse(e.data)); };
+events.onmessage = function (e) {
+  draw(JSON.parse(e.data));
+  if (frames && ++drawn >= frames) { events.close(); document.body.dataset.done = "yes"; }
+};
 </script>
 </body></html>
 """
