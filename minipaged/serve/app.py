@@ -119,7 +119,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
 
     async def answer(request, ans: Answer, ids, opts):
         """Hand the request to the engine loop; stream its tokens or gather them."""
-        stop_tokens = tokenizer.stop_tokens
+        stop_tokens = [] if opts["ignore_eos"] else tokenizer.stop_tokens
         try:
             ticket = await asyncio.wrap_future(loop.submit(
                 ids, opts["max_tokens"], opts["temperature"], opts["top_p"], opts["n"],

@@ -108,6 +108,7 @@ def sampling(body, max_tokens_default) -> dict:
         "stop": get_stop(body),
         "stream": get_bool(body, "stream"),
         "include_usage": _include_usage(body),
+        "ignore_eos": get_bool(body, "ignore_eos"),    # vLLM's extension: run to max_tokens
     }
 
 
