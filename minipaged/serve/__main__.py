@@ -11,6 +11,14 @@ from .. import cli
 from ..errors import UsageError
 from ..formats import PACKAGED_MODELS
 
+try:                                   # the serve extra: fastapi, uvicorn
+    import uvicorn
+
+    from .server import UvicornServer, build
+    MISSING = None
+except ImportError as e:
+    MISSING = e.name
+
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m minipaged.serve", description=__doc__.splitlines()[0])
@@ -42,12 +50,9 @@ def build_parser():
 @cli.program
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:                                         # the serve extra: fastapi, uvicorn
-        import uvicorn
-        from .server import UvicornServer, build
-    except ImportError as e:
-        raise UsageError(f"the server needs the serve extra ({e.name} is missing): "
-                         f"pip install -e '.[serve]'") from None
+    if MISSING:
+        raise UsageError(f"the server needs the serve extra ({MISSING} is missing): "
+                         f"pip install -e '.[serve]'")
     loop, app, _, _ = build(args.model, getattr(torch, args.dtype), args.block_size,
                             args.num_blocks, args.kv_budget, args.preemption, args.max_num_seqs,
                             args.max_num_batched_tokens, not args.no_prefix_caching,
@@ -57,10 +62,10 @@ def main(argv=None) -> int:
           f"{e.cache.block_size} tokens, context {e.max_seq_len}; the pool live at "
           f"http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=args.drain_seconds)
+                            timeout_graceful_shutdown=args.drain_seconds + 5)
     loop.start()
     try:
-        UvicornServer(config).run()
+        UvicornServer(config, loop, args.drain_seconds).run()
     finally:
         loop.stop()
     print("minipaged serve: stopped", file=sys.stderr, flush=True)

@@ -53,6 +53,7 @@ class EngineLoop:
         self.tickets: list[Ticket] = []       # requests with samples still in the engine
         self.stopping = False
         self.refused = 0                      # requests answered 503 (queue full)
+        self.aborted_ids: set[int] = set()    # req_ids ended by an abort
         self.aborted = 0                      # samples ended early (client gone, stop string)
         self.last_step_tokens = 0             # tokens the last step ran through the model
         self.version = 0                      # counts the loop's changes to the engine
@@ -103,7 +104,16 @@ class EngineLoop:
                 if r.status != "finished":
                     self.engine.abort(r)
                     self.aborted += 1
+                    self.aborted_ids.add(r.req_id)
             return None
+        self._post(job, concurrent.futures.Future())
+
+    def abort_all(self) -> None:
+        """Give up every request in flight at the next step boundary (the end of a shutdown's
+        drain): each answer ends with finish_reason "abort", as vLLM's do."""
+        def job():
+            for t in self.tickets:
+                self.abort(t)
         self._post(job, concurrent.futures.Future())
 
     def _post(self, job, fut) -> None:
@@ -159,7 +169,9 @@ class EngineLoop:
                 reason = None
                 if r.status == "finished":
                     t.done[i] = True
-                    reason = "length" if len(r.output) >= r.max_new_tokens else "stop"
+                    reason = "abort" if r.req_id in self.aborted_ids else \
+                        "length" if len(r.output) >= r.max_new_tokens else "stop"
+                    self.aborted_ids.discard(r.req_id)
                 if new or reason:
                     t.aio.call_soon_threadsafe(t.queue.put_nowait, (i, new, reason))
             if not all(t.done):

@@ -41,12 +41,22 @@ def build(model=None, dtype=torch.float32, block_size: int = 16, num_blocks=None
 
 
 class UvicornServer(uvicorn.Server):
-    """uvicorn's server, except that after Ctrl-C or SIGTERM it exits with status 0 (uvicorn
-    raises the signal again once it has shut down)."""
+    """uvicorn's server, except that after Ctrl-C or SIGTERM the answers in flight have
+    `drain` seconds to finish, then the loop aborts them (each ends with finish_reason
+    "abort" and `data: [DONE]`), and the process exits with status 0 (uvicorn would raise
+    the signal again once it has shut down)."""
+
+    def __init__(self, config, loop=None, drain: float = 5.0):
+        super().__init__(config)
+        self.loop, self.drain, self.timer = loop, drain, None
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
+        if self.loop is not None and self.timer is None:
+            self.timer = threading.Timer(self.drain, self.loop.abort_all)
+            self.timer.daemon = True
+            self.timer.start()
 
 
 class Running:
