@@ -170,6 +170,33 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.pending) or self.scheduler.has_unfinished()
 
+    def abort(self, req: Request) -> None:
+        """End a request before it finishes (its client went away). Call it between steps: it
+        leaves whichever queue holds it and its blocks go back, in the KV pool or the CPU swap
+        pool. Samples of it not forked yet (stage 6, `n`) go with it."""
+        if req.status == "finished":
+            return
+        s = self.scheduler
+        for queue in (self.pending, s.waiting, s.running, s.swapped):
+            if req in queue:
+                queue.remove(req)
+        # what later stages keep about a request part-way (5b: a prompt in chunks and the group
+        # waiting for it; 6: its samples not forked yet)
+        getattr(s, "prefilling", set()).discard(req)
+        unforked = getattr(s, "followers", {}).pop(req, []) + \
+            getattr(s, "siblings", {}).pop(req.req_id, [])
+        if req.seq_id is not None:
+            if req.status == "swapped":
+                for m in self.swap.cpu_managers:
+                    m.free(req.seq_id)
+            elif req.seq_id in self.cache:            # a row may be held before any block
+                self.cache.free(req.seq_id)
+            s.free_rows.append(req.seq_id)
+            req.seq_id = None
+        req.status, req.finish_step = "finished", self.step_count
+        for sib in dict.fromkeys(unforked):
+            self.abort(sib)
+
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Request]:

@@ -1,0 +1,76 @@
+"""`python -m minipaged.serve`: an OpenAI-compatible server on the engine, and the pool live at
+http://HOST:PORT/ ."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .. import cli
+from ..errors import UsageError
+from ..formats import PACKAGED_MODELS
+
+try:                                   # the serve extra: fastapi, uvicorn
+    import uvicorn
+
+    from .server import UvicornServer, build
+    MISSING = None
+except ImportError as e:
+    MISSING = e.name
+
+
+def build_parser():
+    p = cli.ArgumentParser(prog="python -m minipaged.serve", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="a Llama 3 checkpoint folder, a .gguf file, or "
+                   f"{' / '.join(PACKAGED_MODELS)} (default: the embedded model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=cli.whole(0, 65535), default=8000)
+    p.add_argument("--block-size", type=cli.whole(1), default=16)
+    p.add_argument("--num-blocks", type=cli.whole(1), help="blocks per layer in the KV pool")
+    p.add_argument("--kv-budget", type=cli.size, help="memory for the KV pool, all layers "
+                   "(e.g. 4MiB; default: four full contexts)")
+    p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
+    p.add_argument("--max-num-seqs", type=cli.whole(1), default=64,
+                   help="requests running at once, at most")
+    p.add_argument("--max-num-batched-tokens", type=cli.whole(1),
+                   help="a token budget per step (chunked prefill; default: none)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-model-len", type=cli.whole(2), help="tokens a request may hold "
+                   "(default: the model's context, at most 4096)")
+    p.add_argument("--max-waiting", type=cli.whole(1), default=64,
+                   help="requests that may wait for the engine; past it, 503")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--drain-seconds", type=cli.number(at_least=0), default=5.0,
+                   help="after Ctrl-C or SIGTERM, how long answers in flight may finish "
+                   "before they are aborted")
+    return p
+
+
+@cli.program
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if MISSING:
+        raise UsageError(f"the server needs the serve extra ({MISSING} is missing): "
+                         f"pip install -e '.[serve]'")
+    loop, app, _, _ = build(args.model, getattr(torch, args.dtype), args.block_size,
+                            args.num_blocks, args.kv_budget, args.preemption, args.max_num_seqs,
+                            args.max_num_batched_tokens, not args.no_prefix_caching,
+                            args.max_model_len, args.max_waiting)
+    e = loop.engine
+    print(f"minipaged serving {args.model or 'embedded'}: {e.cache.num_blocks} blocks of "
+          f"{e.cache.block_size} tokens, context {e.max_seq_len}; the pool live at "
+          f"http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=args.drain_seconds + 5)
+    loop.start()
+    try:
+        UvicornServer(config, loop, args.drain_seconds).run()
+    finally:
+        loop.stop()
+    print("minipaged serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

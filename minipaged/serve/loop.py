@@ -1,0 +1,226 @@
+"""The server's engine loop: one thread owns the engine, and requests join and leave it only
+between two steps.
+
+HTTP handlers never touch the engine. They hand the loop a job (add these samples, abort that
+request) and wait; the loop runs the jobs at the next step boundary, steps the engine once, and
+posts each request's new tokens back to the handler's asyncio queue. So the engine stays what
+stage 5 made it — a single-threaded `step()` — and a request that arrives while a step runs
+simply joins the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import random
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import MiniPagedError, RequestError
+from ..generation import row_generator
+
+
+class QueueFullError(MiniPagedError):
+    """The waiting queue is at its bound: the server answers 503 instead of queueing more."""
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One client request: its `n` samples in the engine, and where their tokens go."""
+    samples: list                      # the engine's Request objects, sample order
+    queue: asyncio.Queue               # (index, new tokens, finish_reason or None) events
+    aio: asyncio.AbstractEventLoop
+    sent: list = field(default_factory=list)     # tokens already posted, per sample
+    done: list = field(default_factory=list)     # finished, per sample
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.samples[0].prompt)
+
+
+class EngineLoop:
+    """Owns `engine` in a thread of its own. `max_waiting` bounds the requests that may wait for
+    the engine (past it, `submit` refuses with QueueFullError)."""
+
+    def __init__(self, engine, max_waiting: int = 64):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.lock = threading.Condition()     # held while a step or a job runs
+        self.inbox: list = []                 # jobs for the next step boundary
+        self.tickets: list[Ticket] = []       # requests with samples still in the engine
+        self.stopping = False
+        self.refused = 0                      # requests answered 503 (queue full)
+        self.aborted_ids: set[int] = set()    # req_ids ended by an abort
+        self.aborted = 0                      # samples ended early (client gone, stop string)
+        self.last_step_tokens = 0             # tokens the last step ran through the model
+        self.version = 0                      # counts the loop's changes to the engine
+        self.trace = deque(maxlen=4096)       # (version, blocks used, cached free) after each
+        self.thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Abort whatever is left and end the thread (Ctrl-C, SIGTERM)."""
+        with self.lock:
+            self.stopping = True
+            self.lock.notify()
+        self.thread.join()
+
+    # -- called from the HTTP side ----------------------------------------------------------------
+    def submit(self, prompt, max_tokens: int, temperature: float, top_p: float, n: int,
+               seed: int | None, stop_tokens) -> concurrent.futures.Future:
+        """Ask for `n` samples of `prompt`; the future gives a Ticket, or the engine's
+        RequestError (the request changed nothing), or QueueFullError."""
+        aio, queue = asyncio.get_running_loop(), asyncio.Queue()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        seed = random.randrange(2**63) if seed is None else seed
+        gens = [row_generator(seed, j) if temperature > 0 else None for j in range(n)]
+
+        def add():
+            e = self.engine
+            if len(e.pending) + len(e.scheduler.waiting) >= self.max_waiting:
+                self.refused += 1
+                raise QueueFullError(f"{self.max_waiting} requests are already waiting for the "
+                                     f"engine; try again shortly")
+            first = e.add_request(prompt, max_tokens, temperature, top_p, stop_tokens=stop_tokens,
+                                  n=n, generators=gens)
+            samples = e.requests[first.req_id:first.req_id + n]
+            t = Ticket(samples, queue, aio, [0] * n, [False] * n)
+            self.tickets.append(t)
+            return t
+        self._post(add, fut)
+        return fut
+
+    def abort(self, ticket: Ticket, index: int | None = None) -> None:
+        """Give up a request (every sample, or sample `index`) at the next step boundary."""
+        def job():
+            picked = ticket.samples if index is None else [ticket.samples[index]]
+            for r in picked:              # the first sample first: it takes its unforked ones
+                if r.status != "finished":
+                    self.engine.abort(r)
+                    self.aborted += 1
+                    self.aborted_ids.add(r.req_id)
+            return None
+        self._post(job, concurrent.futures.Future())
+
+    def abort_all(self) -> None:
+        """Give up every request in flight at the next step boundary (the end of a shutdown's
+        drain): each answer ends with finish_reason "abort", as vLLM's do."""
+        def job():
+            for t in self.tickets:
+                self.abort(t)
+        self._post(job, concurrent.futures.Future())
+
+    def _post(self, job, fut) -> None:
+        with self.lock:
+            if self.stopping:
+                fut.set_exception(QueueFullError("the server is shutting down"))
+                return
+            self.inbox.append((job, fut))
+            self.lock.notify()
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Jobs, then one engine step, then each request's new tokens out; until stopped."""
+        while True:
+            with self.lock:
+                while not (self.inbox or self.stopping or self.engine.has_unfinished()):
+                    self.lock.wait()
+                if self.stopping:
+                    self._abort_all()
+                    return
+                changed = self._run_jobs()
+                if self.engine.has_unfinished():
+                    changed = True
+                    with torch.inference_mode():
+                        self.engine.step()
+                    self.last_step_tokens = sum(self.engine.tokens_run.values())
+                self._deliver()
+                if changed:
+                    self.version += 1
+                    self.trace.append((self.version, self.engine.cache.num_used_blocks,
+                                       self.engine.cache.num_free_blocks -
+                                       len(self.engine.cache.managers[0].free_blocks)))
+
+    def _run_jobs(self) -> bool:
+        """Run the jobs posted since the last step; True if there were any."""
+        jobs, self.inbox = self.inbox, []
+        for job, fut in jobs:
+            try:
+                fut.set_result(job())
+            except (MiniPagedError, ValueError, TypeError) as e:
+                fut.set_exception(e if isinstance(e, MiniPagedError) else RequestError(str(e)))
+        return bool(jobs)
+
+    def _deliver(self) -> None:
+        """Post every sample's new tokens (and its end) to the handler waiting on it."""
+        live = []
+        for t in self.tickets:
+            for i, r in enumerate(t.samples):
+                if t.done[i]:
+                    continue
+                new = r.output[t.sent[i]:]
+                t.sent[i] = len(r.output)
+                reason = None
+                if r.status == "finished":
+                    t.done[i] = True
+                    reason = "abort" if r.req_id in self.aborted_ids else \
+                        "length" if len(r.output) >= r.max_new_tokens else "stop"
+                    self.aborted_ids.discard(r.req_id)
+                if new or reason:
+                    t.aio.call_soon_threadsafe(t.queue.put_nowait, (i, new, reason))
+            if not all(t.done):
+                live.append(t)
+        self.tickets = live
+
+    def _abort_all(self) -> None:
+        for job, fut in self.inbox:
+            fut.set_exception(QueueFullError("the server is shutting down"))
+        self.inbox = []
+        for t in self.tickets:
+            for r in t.samples:
+                if r.status != "finished":
+                    self.engine.abort(r)
+        self._deliver()
+
+    # -- what the metrics and the live page read ---------------------------------------------------
+    def snapshot(self) -> dict:
+        """The pool and the queues, consistent (taken between two steps)."""
+        with self.lock:
+            return pool_state(self.engine, self)
+
+
+def pool_state(engine, loop=None) -> dict:
+    """Layer 0's pool block by block (every layer holds the same tokens), the queues and the
+    counters: what `/metrics` prints and the live page draws."""
+    cache, s, st = engine.cache, engine.scheduler, engine.stats
+    m = cache.managers[0]
+    owner = [-1] * cache.num_blocks                  # -1 free, -2 cached free, else a req_id
+    refs = getattr(m, "refs", None)
+    prefix = getattr(m, "prefix", None)
+    if prefix is not None:
+        for b in prefix.cached_free:
+            owner[b] = -2
+    for r in s.running:
+        if r.seq_id is not None and r.seq_id in cache:
+            for b in m.blocks_of(r.seq_id):
+                if owner[b] < 0:
+                    owner[b] = r.req_id
+    shared = [b for b in range(cache.num_blocks) if refs is not None and refs[b] > 1]
+    return {
+        "version": loop.version if loop else 0, "step": engine.step_count, "num_blocks": cache.num_blocks,
+        "block_size": cache.block_size, "owner": owner, "shared": shared,
+        "used": cache.num_used_blocks,
+        "cached_free": len(prefix) if prefix is not None else 0,
+        "running": [r.req_id for r in s.running], "waiting": [r.req_id for r in s.waiting]
+        + [r.req_id for r in engine.pending], "swapped": [r.req_id for r in s.swapped],
+        "step_tokens": loop.last_step_tokens if loop else 0,
+        "preemptions": st.preemptions, "cached_tokens": st.cached_tokens,
+        "generated_tokens": st.generated_tokens, "steps": st.steps,
+        "refused": loop.refused if loop else 0, "aborted": loop.aborted if loop else 0,
+    }

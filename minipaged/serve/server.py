@@ -1,0 +1,93 @@
+"""Putting the server together: the model, its engine in a loop, the app, uvicorn."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import torch
+import uvicorn
+
+from ..api import Engine
+from ..chat.options import model_path
+from ..formats import load_model, load_tokenizer
+from ..kv_budget import pool_blocks
+from .app import create_app
+from .loop import EngineLoop
+
+DEFAULT_CONTEXT = 4096      # tokens a request may hold, at most (or the model's, if shorter)
+
+
+def build(model=None, dtype=torch.float32, block_size: int = 16, num_blocks=None,
+          kv_budget=None, preemption: str = "recompute", max_num_seqs: int = 64,
+          max_num_batched_tokens=None, prefix_caching: bool = True, max_model_len=None,
+          max_waiting: int = 64, record: bool = False):
+    """The model, its engine in a loop, and the app; `model` as the chat's --model.
+    `record=True` keeps the engine's `history` of steps, for the drawings of `minipaged.viz`."""
+    path = model_path(model) if model else None
+    llama = load_model(path, dtype=dtype)
+    tokenizer = load_tokenizer(path)
+    context = min(llama.args.max_seq_len, max_model_len or DEFAULT_CONTEXT)
+    if num_blocks is None and kv_budget is None:       # four full contexts
+        num_blocks = pool_blocks(llama.args, dtype, block_size, lengths=[context] * 4)
+    engine = Engine(llama, num_blocks, block_size, preemption, kv_budget=kv_budget,
+                    max_num_seqs=max_num_seqs, max_seq_len=context,
+                    prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
+                    record=record)
+    loop = EngineLoop(engine, max_waiting=max_waiting)
+    name = model or "embedded"
+    return loop, create_app(loop, tokenizer, name), tokenizer, llama
+
+
+class UvicornServer(uvicorn.Server):
+    """uvicorn's server, except that after Ctrl-C or SIGTERM the answers in flight have
+    `drain` seconds to finish, then the loop aborts them (each ends with finish_reason
+    "abort" and `data: [DONE]`), and the process exits with status 0 (uvicorn would raise
+    the signal again once it has shut down)."""
+
+    def __init__(self, config, loop=None, drain: float = 5.0):
+        super().__init__(config)
+        self.loop, self.drain, self.timer = loop, drain, None
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+        if self.loop is not None and self.timer is None:
+            self.timer = threading.Timer(self.drain, self.loop.abort_all)
+            self.timer.daemon = True
+            self.timer.start()
+
+
+class Running:
+    """A server running in a thread of this process (tests, the notebook, the benchmark)."""
+
+    def __init__(self, loop, app, tokenizer, model, host="127.0.0.1"):
+        self.loop, self.app, self.tokenizer, self.model = loop, app, tokenizer, model
+        self.sock = socket.socket()
+        self.sock.bind((host, 0))                      # a free port, held from now on
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+        self.server = UvicornServer(config)
+        loop.start()
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+
+    @property
+    def engine(self):
+        return self.loop.engine
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+        self.loop.stop()
+        self.sock.close()
+
+
+def start(model=None, **options) -> Running:
+    """Build a server (options: `build`'s) and run it on 127.0.0.1, on a free port."""
+    return Running(*build(model, **options))
