@@ -12,7 +12,7 @@ import uvicorn
 from ..api import Engine
 from ..chat.options import model_path
 from ..formats import load_model, load_tokenizer
-from ..kv_budget import pool_blocks
+from ..sizing import pool_blocks
 from .app import create_app
 from .loop import EngineLoop
 
