@@ -264,14 +264,19 @@ class SpeculativeEngine(SharingEngine):
             d = len(drafts[r])
             rows = logits[start:start + d + 1]                               # (d + 1, V)
             start += d + 1
-            out = accept_greedy(drafts[r], rows) if r.temperature == 0 else \
-                accept_sampled(drafts[r], rows, r.temperature, r.top_p, r.generator)
+            out = self.accept(r, drafts[r], rows)
             held = int(self.cache.managers[0].seq_lens[r.seq_id])
             self.spec.rolled_back_blocks += rollback(self.cache, r.seq_id, held - d + len(out) - 1)
             self.tokens_run[r] = 1 + d
             self._count(d, len(out))
             sampled += [(r, t, "decode") for t in self._within_limits(r, out)]
         return sampled
+
+    def accept(self, r, drafts, logits) -> list[int]:
+        """The tokens a row keeps: greedy or by rejection sampling, as the request samples."""
+        if r.temperature == 0:
+            return accept_greedy(drafts, logits)
+        return accept_sampled(drafts, logits, r.temperature, r.top_p, r.generator)
 
     @staticmethod
     def _within_limits(r, out) -> list[int]:
