@@ -5,8 +5,8 @@
 
 Two kinds of prompt, each at batch 1 (one request at a time) and at 16 requests at once:
 
-  * lookup-friendly: the model is asked to repeat or edit a text it was given, or to continue
-    code whose names it has seen — the continuation reuses the prompt's tokens, so n-gram
+  * lookup-friendly: a question asked again after the model answered it once, a text to
+    repeat or edit, code to continue — the continuation reuses the prompt's tokens, so n-gram
     lookup finds drafts the model agrees with;
   * open chat: short questions, where the answer shares little with the prompt.
 
@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import cli
+from ..api import generate
 from ..fast import FastEngine
 from ..formats import chat_format, load_model, load_tokenizer, packaged_model_path
 from ..speculative import SpeculativeEngine
@@ -46,16 +47,24 @@ CHAT = ["What is the capital of France?", "Tell me a joke about cats.", "Why is 
         "How do plants grow?", "Write a haiku about rain.", "What is a good name for a dog?"]
 
 
-def prompts(tok, kind: str, count: int) -> list[list[int]]:
+def prompts(model, tok, kind: str, count: int) -> list[list[int]]:
     fmt = chat_format(tok)
     if kind == "lookup":
+        # a question asked again after the model answered it: the answer is in the prompt
+        first = [fmt.encode_dialog_prompt([{"role": "user", "content": q}]) for q in CHAT[:4]]
+        answers = generate(model, first, 48)
+        again = [fmt.encode_dialog_prompt([{"role": "user", "content": q},
+                                           {"role": "assistant", "content": tok.decode(a)},
+                                           {"role": "user", "content": q}])
+                 for q, a in zip(CHAT, answers)]
         code = CODE.read_text().splitlines()
         asks = [f"Repeat this text exactly:\n\n{TEXT}",
                 f"Rewrite this text, changing 'request' to 'sequence':\n\n{TEXT}"]
         out = [fmt.encode_dialog_prompt([{"role": "user", "content": a}]) for a in asks]
+        out = [x for pair in zip(again, out + out) for x in pair]
         out += [tok.encode("\n".join(code[i:i + 30])) for i in range(40, 200, 20)]
     else:
-        out = [fmt.encode_dialog_prompt([{"role": "user", "content": q}]) for q in CHAT]
+        out = [fmt.encode_dialog_prompt([{"role": "user", "content": q}]) for q in CHAT[4:] + CHAT[:4]]
     return [out[i % len(out)] for i in range(count)]
 
 
@@ -111,12 +120,12 @@ def main(argv=None):
     spec_options = dict(speculative="ngram", num_speculative_tokens=args.k,
                         prompt_lookup_min=args.min_n, prompt_lookup_max=max(args.min_n, 4))
     with torch.inference_mode():
-        warm = prompts(tok, "lookup", 2)          # first calls are slow: not timed
+        warm = prompts(model, tok, "lookup", 2)          # first calls are slow: not timed
         serve(model, warm, 8, 2)
         serve(model, warm, 8, 1, **spec_options)
         for kind in ("lookup", "chat"):
             for batch, count in ((1, args.single), (args.requests, args.requests)):
-                reqs = prompts(tok, kind, count)
+                reqs = prompts(model, tok, kind, count)
                 plain = serve(model, reqs, args.new_tokens, batch)
                 spec = serve(model, reqs, args.new_tokens, batch, **spec_options)
                 r = row(kind, plain, spec)
