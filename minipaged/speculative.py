@@ -229,8 +229,10 @@ class SpeculativeEngine(SharingEngine):
 
     def _run_model(self, plan) -> list:
         """The decodes first, with their drafts, in one verify forward; then stage 6's calls for
-        the step's prefills and chunks."""
-        if not self.speculative or not plan.decode:
+        the step's prefills and chunks. A step where no row has a draft is stage 6's step."""
+        if not any(self.scheduler.drafts.get(r) for r in plan.decode):
+            for _ in plan.decode if self.speculative else ():
+                self._count(0, 1)             # no draft found: stage 6's plain decode step
             return super()._run_model(plan)
         sampled = self._verify(plan.decode)
         decodes, plan.decode = plan.decode, []
