@@ -5,7 +5,7 @@ Not a stage itself: each stage runs on its own (`generation.generate_static` for
 by its `cache` argument, so a reader can swap caches and compare tokens one for one:
 
     cache="contiguous"   stage 1: a static batch on the cache reserved up front
-    cache="paged"        stage 6's engine (continuous batching on shared blocks, 5 and 5b below it)
+    cache="paged"        stage 7's engine (speculation if asked for, on stage 6's shared blocks)
     cache=<an object>    a static batch on that cache (a ContiguousCache, a PagedCache, ...)
 
 `beam_search` is stage 6b's own function (`beams.py`), public as it is.
@@ -20,14 +20,14 @@ from .checks import check_memory, check_request, check_stop_tokens, check_whole,
 from .errors import RequestError
 from .generation import generate_static, row_generator
 from .kv_budget import bytes_per_block
-from .sharing_engine import SharingEngine
 from .sizing import pool_blocks
+from .speculative import SpeculativeEngine
 
-Engine = SharingEngine      # the engine with every stage's options
+Engine = SpeculativeEngine   # the engine with every stage's options
 __all__ = ["Engine", "PAGED_OPTIONS", "beam_search", "generate"]
 PAGED_OPTIONS = ("block_size", "num_blocks", "kv_budget", "preemption", "num_cpu_blocks",
                  "watermark", "backend", "max_num_seqs", "prefix_caching",
-                 "max_num_batched_tokens")
+                 "max_num_batched_tokens", "speculative", "num_speculative_tokens")
 
 
 @torch.inference_mode()
@@ -44,8 +44,9 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
     cache="paged" serves the prompts on the engine; its options (`PAGED_OPTIONS`): block_size
     (16), num_blocks or kv_budget (bytes; default: room for every sequence at once, so nobody
     is preempted), preemption ("recompute" or "swap"), num_cpu_blocks, watermark, backend,
-    max_num_seqs, prefix_caching (False unless asked for), and max_num_batched_tokens (None:
-    whole prefills; N: no step runs more than N tokens, prompts are prefilled in chunks). A pool
+    max_num_seqs, prefix_caching (False unless asked for), max_num_batched_tokens (None:
+    whole prefills; N: no step runs more than N tokens, prompts are prefilled in chunks), and
+    speculative="ngram" with num_speculative_tokens=k (stage 7: k drafts a step). A pool
     too small for all the prompts at once makes the engine admit and preempt rather than fail.
 
     n=K returns K samples per prompt, each entry a list of K token lists (n=1 keeps the flat

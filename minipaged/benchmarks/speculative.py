@@ -1,0 +1,141 @@
+"""Stage 7's benchmark: speculative decoding (n-gram drafts) against plain decoding, side by side.
+
+    python -m minipaged.benchmarks.speculative                  # embedded model (< 2 min)
+    python -m minipaged.benchmarks.speculative --model smollm2  # SmolLM2-135M-Instruct
+
+Two kinds of prompt, each at batch 1 (one request at a time) and at 16 requests at once:
+
+  * lookup-friendly: a question asked again after the model answered it once, a text to
+    repeat or edit, code to continue — the continuation reuses the prompt's tokens, so n-gram
+    lookup finds drafts the model agrees with;
+  * open chat: short questions, where the answer shares little with the prompt.
+
+Both runs serve the same requests on the same engine (the speed layer's `FastEngine` with
+stage 7's speculation mixed in) and greedy, so their tokens must be the same (column "same").
+Columns: acceptance rate (accepted drafts / drafts run), tokens a decoding sequence gains per
+step (1.0 without speculation), tokens/s of each, and the speed-up.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from .. import cli
+from ..api import generate
+from ..fast import FastEngine
+from ..formats import chat_format, load_model, load_tokenizer, packaged_model_path
+from ..speculative import SpeculativeEngine
+
+
+class FastSpeculativeEngine(SpeculativeEngine, FastEngine):
+    """Stage 7's speculation on the speed layer's cache."""
+
+
+TEXT = ("The scheduler keeps three queues: waiting, running and swapped. Every step it finds a "
+        "slot for the next token of every running request, oldest first. When the pool is dry "
+        "it preempts the most recently admitted request, by recompute or by swap.")
+CODE = Path(__file__).resolve().parents[1] / "cache_manager.py"
+CHAT = ["What is the capital of France?", "Tell me a joke about cats.", "Why is the sky blue?",
+        "Give me three ideas for a birthday party.", "What should I cook tonight?",
+        "How do plants grow?", "Write a haiku about rain.", "What is a good name for a dog?"]
+
+
+def prompts(model, tok, kind: str, count: int) -> list[list[int]]:
+    fmt = chat_format(tok)
+    if kind == "lookup":
+        # a question asked again after the model answered it: the answer is in the prompt
+        first = [fmt.encode_dialog_prompt([{"role": "user", "content": q}]) for q in CHAT[:4]]
+        answers = generate(model, first, 48)
+        again = [fmt.encode_dialog_prompt([{"role": "user", "content": q},
+                                           {"role": "assistant", "content": tok.decode(a)},
+                                           {"role": "user", "content": q}])
+                 for q, a in zip(CHAT, answers)]
+        code = CODE.read_text().splitlines()
+        asks = [f"Repeat this text exactly:\n\n{TEXT}",
+                f"Rewrite this text, changing 'request' to 'sequence':\n\n{TEXT}"]
+        out = [fmt.encode_dialog_prompt([{"role": "user", "content": a}]) for a in asks]
+        out = [x for pair in zip(again, out + out) for x in pair]
+        out += [tok.encode("\n".join(code[i:i + 30])) for i in range(40, 200, 20)]
+    else:
+        out = [fmt.encode_dialog_prompt([{"role": "user", "content": q}]) for q in CHAT[4:] + CHAT[:4]]
+    return [out[i % len(out)] for i in range(count)]
+
+
+def serve(model, reqs, max_new: int, batch: int, **spec):
+    """Serve `reqs` `batch` at a time; outputs, seconds, the engines' speculation stats."""
+    outs, seconds, stats = [], 0.0, []
+    for i in range(0, len(reqs), batch):
+        group = reqs[i:i + batch]
+        blocks = sum(-(-(len(p) + max_new) // 16) for p in group)    # nobody is preempted
+        engine = FastSpeculativeEngine(model, blocks, 16, max_num_seqs=len(group), **spec)
+        for p in group:
+            engine.add_request(p, max_new, stop_tokens=[])
+        start = time.perf_counter()
+        outs += [r.output for r in engine.run()]
+        seconds += time.perf_counter() - start
+        stats.append(engine.spec)
+    return outs, seconds, stats
+
+
+def row(name, plain, spec):
+    (out0, s0, _), (out1, s1, st) = plain, spec
+    tokens = sum(map(len, out0))
+    drafts, accepted = sum(s.draft_tokens for s in st), sum(s.accepted_tokens for s in st)
+    per_step = sum(s.decode_tokens for s in st) / max(1, sum(s.decode_rows for s in st))
+    return [name, f"{accepted / max(1, drafts):.0%}", f"{per_step:.2f}", f"{tokens / s0:.1f}",
+            f"{sum(map(len, out1)) / s1:.1f}", f"{s0 / s1:.2f}x",
+            "✓" if out0 == out1 else "[red]✗[/red]"]
+
+
+@cli.program
+def main(argv=None):
+    p = cli.ArgumentParser(prog="python -m minipaged.benchmarks.speculative",
+                           description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="'smollm2', or a Llama 3 checkpoint (default: embedded)")
+    p.add_argument("--k", type=cli.whole(1, 16), default=4, help="num_speculative_tokens")
+    p.add_argument("--new-tokens", type=cli.whole(2), default=48)
+    p.add_argument("--requests", type=cli.whole(1), default=16, help="the large batch")
+    p.add_argument("--single", type=cli.whole(1), default=4,
+                   help="requests served one at a time for batch 1")
+    p.add_argument("--min-n", type=cli.whole(1, 4), default=1,
+                   help="prompt_lookup_min: the shortest n-gram matched (the longest is 4)")
+    p.add_argument("--threads", type=cli.whole(1), default=1)
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    path = packaged_model_path("smollm2") if args.model == "smollm2" else args.model
+    model, tok = load_model(path), load_tokenizer(path)
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    t = Table(title=f"Speculative decoding (stage 7): n-gram drafts, k={args.k}, greedy")
+    for col in ["prompts", "batch", "acceptance", "tokens/step", "plain tok/s", "spec tok/s",
+                "speed-up", "same"]:
+        t.add_column(col, justify="left" if col == "prompts" else "right")
+    spec_options = dict(speculative="ngram", num_speculative_tokens=args.k,
+                        prompt_lookup_min=args.min_n, prompt_lookup_max=max(args.min_n, 4))
+    with torch.inference_mode():
+        warm = prompts(model, tok, "lookup", 2)          # first calls are slow: not timed
+        serve(model, warm, 8, 2)
+        serve(model, warm, 8, 1, **spec_options)
+        for kind in ("lookup", "chat"):
+            for batch, count in ((1, args.single), (args.requests, args.requests)):
+                reqs = prompts(model, tok, kind, count)
+                plain = serve(model, reqs, args.new_tokens, batch)
+                spec = serve(model, reqs, args.new_tokens, batch, **spec_options)
+                r = row(kind, plain, spec)
+                t.add_row(r[0], str(batch), *r[1:])
+    t.caption = (f"{args.new_tokens} new tokens per request, stop tokens ignored; batch 1 serves "
+                 f"{args.single} requests one after the other. FastEngine; "
+                 f"{torch.get_num_threads()} torch thread(s), load average "
+                 f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.")
+    console.print(t)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
