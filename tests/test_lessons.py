@@ -100,6 +100,23 @@ def test_named_files_exist(doc):
         assert target.exists(), f"{doc.name} links to {m.group(1)}, which does not exist"
 
 
+def anchor(heading: str) -> str:
+    """The anchor GitHub gives a markdown heading: lower case, punctuation but - and _ dropped,
+    spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_links_to_a_heading_find_it(doc):
+    """`glossary.md#prefill`, `#section`: the page linked to has a heading with that anchor."""
+    for m in LINK.finditer(doc.read_text()):
+        page, _, fragment = m.group(1).partition("#")
+        target = (doc.parent / page).resolve() if page else doc
+        if fragment and target.suffix == ".md":
+            anchors = {anchor(h) for h in re.findall(r"(?m)^#+ (.*)$", prose(target.read_text()))}
+            assert fragment in anchors, f"{doc.name} links to {m.group(1)}: no such heading"
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_commands_name_modules_that_exist(doc):
     for m in re.finditer(r"python -m (minipaged[\w.]*)", doc.read_text()):
