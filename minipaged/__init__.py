@@ -13,11 +13,15 @@ Read the stages in order, each module beside its lesson (`lessons/`) and noteboo
     5b  chunked_prefill.py, chunked_engine.py      a token budget per step, prompts in chunks
     6   prefix_cache.py, sharing.py, sharing_engine.py   reference counts, copy-on-write, prefix caching
     6b  beams.py                                   beam search: beams fork and free shared blocks
+    7   speculative.py                             speculative decoding: drafts, one verify pass, rollback
+    8   serve/ (a subpackage)                      an OpenAI-compatible server, the pool live in a browser
 
 Around them: `formats/` (checkpoints and tokenizers), `embedded/` (the shipped model's corpus and
 trainer), `chat/` (`python -m minipaged.chat`), `viz/` (the drawings), `benchmarks/`, `fast/`
 (the speed layer). Support modules beside the stages, not needed on a first read: `checks.py`
-(input and memory checks), `backends.py` (which attention implementation runs), `sizing.py`.
+(input and memory checks), `backends.py` (which attention implementation runs), `sizing.py`,
+`cache_queries.py` (what drawings and later stages ask a cache). `exercises/` is the course's
+build-it-yourself tasks and grader (`python -m minipaged.exercises`).
 """
 
 from . import cpu_attention, triton_attention  # register backend="cpu" and "triton" (asked by name)
