@@ -24,3 +24,16 @@ def test_untouched_stubs_say_not_written_and_draw_only_the_reference(tmp_path):
     yours, reference, figures = compare("2", tmp_path)
     assert isinstance(yours, str) and "not written yet" in yours
     assert len(figures) == 1
+
+
+def test_stage_7_gives_the_tokens_and_what_speculation_did(tmp_path):
+    """The reference's tokens with speculation are the no-cache forward's; drafts were proposed
+    and some accepted; untouched stubs say "not written yet"."""
+    from minipaged.exercises import checks
+    start(tmp_path)
+    yours, reference, figures = compare("7", tmp_path)
+    assert isinstance(yours, str) and yours.startswith("not written yet: 7.propose")
+    assert reference["tokens"] == [t[:10] for t in checks._no_cache_continuations(14)]
+    stats = reference["stats"]
+    assert stats.draft_tokens > 0 and 0 < stats.accepted_tokens <= stats.draft_tokens
+    assert figures == []

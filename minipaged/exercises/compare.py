@@ -6,8 +6,9 @@ package's, side by side, for a one-line notebook cell:
 
 Stage 2 draws both pools (`viz.plot_pool`: your blocks, the reference's blocks); 3b both
 running softmaxes (`viz.plot_running_softmax`); 5 both timelines (`viz.plot_timeline`); 6b both
-beam trees (`viz.plot_beam_tree`). The other stages return what they produce (tokens, outputs,
-a KVWaste) with no figure. A function the workspace leaves unwritten makes `yours` the sentence
+beam trees (`viz.plot_beam_tree`). Stage 7 returns the greedy tokens of the engine with n-gram
+speculation and what speculation did (`{"tokens": ..., "stats": SpeculativeStats}`). The other
+stages return what they produce (tokens, outputs, a KVWaste) with no figure. A function the workspace leaves unwritten makes `yours` the sentence
 that says so; so does a workspace folder that does not exist (then only the reference runs and
 only its figure is drawn: nothing of the package's is passed off as yours).
 """
@@ -26,6 +27,7 @@ from ..cache_manager import CacheManager
 from ..chunked_engine import ChunkedEngine
 from ..engine import Engine
 from ..online_softmax import paged_attention_v1
+from ..speculative import SpeculativeEngine
 from ..viz import plot_beam_tree, plot_pool, plot_running_softmax, plot_timeline
 from . import checks
 from .grader import load_workspace_file, stand_in
@@ -99,6 +101,12 @@ def _run(stage: str):
     if stage == "6":
         return generate(model, prompts, 5, cache="paged", block_size=4, n=2, temperature=1.0,
                         stop_tokens=[], backend="torch")
+    if stage == "7":
+        engine = SpeculativeEngine(model, 32, 4, max_num_seqs=4, backend="torch",
+                                   speculative="ngram", num_speculative_tokens=3)
+        for p in checks._repetitive_prompts():
+            engine.add_request(p, 10, stop_tokens=[])
+        return {"tokens": [r.output for r in engine.run()], "stats": engine.spec}
     search = BeamSearch(model, prompts[1], 3, 5, cache="paged", block_size=2, stop_tokens=[],
                         backend="torch")
     search.run()

@@ -55,6 +55,26 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         "line 7: constant 0 -> -1": "np.maximum(held - 1, -1) differs only for a row holding "
                                     "no block, whose length is 0, which is never partial",
     },
+    "7.propose": {
+        "line 1: constant 1 -> 0": "a default min_n of 0 only adds a try with n = 0, whose 'tail' "
+                                   "tokens[-0:] is the whole list: no earlier empty slice equals "
+                                   "a non-empty list, and an empty list tries no n at all",
+        "line 6: `Sub` -> `Add` in `len(tokens) - 1`":
+            "it only lets n reach len(tokens) or len(tokens) + 1, where no start lies before the "
+            "tail (the inner range is empty), so those n find nothing and the loop goes on",
+        "line 6: constant 1 -> 0": "n = len(tokens): the same empty inner range as the entry "
+                                   "above",
+        "line 8: constant 1 -> 2": "the inner range's stop -1 -> -2 adds start = -1, where "
+                                   "tokens[-1:n - 1] is empty (n <= len(tokens) - 1), so it "
+                                   "never matches a tail of n >= 1 tokens",
+    },
+    "7.rollback": {
+        "line 6: deleted `freed = 0`": "the loop over cache.managers sets freed, and a cache has "
+                                       "one manager per layer, so at least one (ModelArgs "
+                                       "refuses n_layers < 1)",
+        "line 6: constant 0 -> 1": "the same first value of freed, always overwritten",
+        "line 6: constant 0 -> -1": "the same first value of freed, always overwritten",
+    },
     "3b.walk": {
         "line 2: constant 0 -> 1": "`who=(0, 0)` is a default no caller relies on: it only "
                                    "labels trace steps, and every caller that traces passes it",

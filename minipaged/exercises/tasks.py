@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from . import checks as c
 
-STAGES = ("1", "2", "3", "3b", "4", "5", "5b", "6", "6b")
+STAGES = ("1", "2", "3", "3b", "4", "5", "5b", "6", "6b", "7")
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,16 @@ TASKS = (
          "free pruned beams, keep the first child in its parent's row, fork the others",
          "lessons/06b-beam-search.md, section Keep: the survivors fork, the pruned are freed",
          (c.beams_fork_prune_and_match,)),
+    Task("7.propose", "7", "stage7_speculative.py", "minipaged.speculative.ngram_propose",
+         "up to k drafts: what followed the latest earlier match of the last n tokens, n from "
+         "max_n down",
+         "lessons/07-speculative-decoding.md, section Drafts with no second model",
+         (c.ngram_propose_matches_brute_force, c.speculative_greedy_tokens)),
+    Task("7.rollback", "7", "stage7_speculative.py", "minipaged.speculative.rollback",
+         "wind a sequence back to num_tokens in every layer, releasing the blocks past "
+         "ceil(num_tokens / block_size)",
+         "lessons/07-speculative-decoding.md, section Roll back",
+         (c.rollback_keeps_the_allocator_whole, c.speculative_greedy_tokens)),
 )
 
 BY_ID = {t.id: t for t in TASKS}
