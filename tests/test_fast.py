@@ -246,6 +246,28 @@ def test_the_step_by_step_comparison_runs_both_caches_to_the_same_tokens(monkeyp
         smollm2.paged_over_contiguous(model, PROMPTS[2], 20, rounds=1)
 
 
+def test_a_near_tie_in_bf16_is_no_disagreement():
+    """The step comparison's guard: a different greedy token is refused in float32 and wherever
+    the contiguous cache's two best logits are far apart; in bf16 or fp16, within NEAR_TIE of
+    each other, either choice is rounding, and the comparison goes on."""
+    from minipaged.benchmarks import smollm2
+
+    tie, apart = (torch.tensor([0.0, 13.15, 13.15 - smollm2.NEAR_TIE / 2]),
+                  torch.tensor([0.0, 13.15, 12.0]))
+    for contiguous in (tie, apart):
+        paged = contiguous.clone()
+        paged[2] = 14.0                              # the paged cache picks token 2, not 1
+        logits = {"contiguous": contiguous, "paged": paged}
+        with pytest.raises(RuntimeError, match="differs from the contiguous cache"):
+            smollm2.check_same_choice(logits, torch.float32, 0)
+        if contiguous is apart:
+            with pytest.raises(RuntimeError, match="differs from the contiguous cache"):
+                smollm2.check_same_choice(logits, torch.bfloat16, 0)
+        else:
+            smollm2.check_same_choice(logits, torch.bfloat16, 0)
+    smollm2.check_same_choice({"contiguous": apart, "paged": apart}, torch.float32, 0)
+
+
 # A step's parts in µs, as paged_over_contiguous gives them.
 A_STEP = {"prepare": 300.0, "write+gather": 1500.0, "attention": 2500.0, "rest": 16000.0,
           "total": 20300.0}
