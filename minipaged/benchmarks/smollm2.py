@@ -148,8 +148,8 @@ def paged_over_contiguous(model, prompt, n, rounds: int = STEP_ROUNDS):
     """The paged cache's speed over the contiguous one's at batch 1, step by step: both decode
     the same prompt side by side, each step the same token (the contiguous cache's greedy
     choice, which the paged cache must share: `check_same_choice`), their steps alternating
-    (and which goes first too), so a
-    machine that slows down or speeds up touches both alike. Returns the median, over every
+    (and which goes first too), so a machine that slows down or speeds up touches both alike.
+    Returns the median, over every
     step of `rounds` rounds, of contiguous seconds / paged seconds (above 1: the paged cache is
     faster), and each cache's steps split into their parts, the median µs of each
     (`decode_step.Timer.parts`): the bookkeeping (`prepare`), the layers' writes and gathers,
