@@ -310,3 +310,21 @@ def test_smollm2_greedy_tokens_unchanged():
         spec = generate(model, prompts, 24, cache="paged", block_size=4, stop_tokens=[],
                         speculative="ngram", num_speculative_tokens=4, **kw)
         assert spec == plain, kw
+
+
+def test_the_benchmark_runs_and_its_rows_keep_the_tokens(tmp_path):
+    """`python -m minipaged.benchmarks.speculative`, short: it runs to the end on the embedded
+    model (its lookup prompts are cut from a source file of the package, whatever its length),
+    and every row says speculation kept the plain decode's tokens."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "minipaged.benchmarks.speculative",
+                          "--new-tokens", "8", "--requests", "4", "--single", "2"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root),
+                              "COLUMNS": "200"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line for line in run.stdout.splitlines() if "lookup" in line or "chat" in line]
+    assert len(rows) == 4 and all("✓" in row for row in rows), run.stdout

@@ -62,7 +62,7 @@ def prompts(model, tok, kind: str, count: int) -> list[list[int]]:
                 f"Rewrite this text, changing 'request' to 'sequence':\n\n{TEXT}"]
         out = [fmt.encode_dialog_prompt([{"role": "user", "content": a}]) for a in asks]
         out = [x for pair in zip(again, out + out) for x in pair]
-        out += [tok.encode("\n".join(code[i:i + 30])) for i in range(40, 200, 20)]
+        out += [tok.encode("\n".join(code[i:i + 30])) for i in range(0, len(code) - 30, 20)][:8]
     else:
         out = [fmt.encode_dialog_prompt([{"role": "user", "content": q}]) for q in CHAT[4:] + CHAT[:4]]
     return [out[i % len(out)] for i in range(count)]
