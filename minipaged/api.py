@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from .beams import beam_search     # stage 6b's, public as it is
-from .checks import check_memory, check_request, check_stop_tokens, check_whole, whole
+from .cache_checks import check_memory
+from .checks import check_request, check_stop_tokens, check_whole, whole
 from .errors import RequestError
 from .generation import generate_static, row_generator
 from .kv_budget import bytes_per_block

@@ -16,7 +16,8 @@ import random
 import torch
 
 from .cache_queries import ManagerQueries   # what drawings and later stages ask: not the idea
-from .checks import check_count, check_live, check_new, check_one, check_pool, check_room
+from .cache_checks import check_live, check_new, check_one, check_pool, check_room
+from .checks import check_count
 from .kv_cache import kv_bytes_per_token
 
 PAD_BLOCK = -1   # what block tables hold past a sequence's last block: "no block here"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .checks import check_one
+from .cache_checks import check_one
 
 
 class ContiguousQueries:

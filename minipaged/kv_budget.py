@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_budget
+from .cache_checks import check_budget
 from .kv_cache import kv_bytes_per_token
 
 

@@ -12,7 +12,7 @@ and `cache.cache_seqlens` (B,) int32: tokens each row stored before the step (fl
 name), so row b's new tokens sit at positions cache_seqlens[b], cache_seqlens[b] + 1, ...
 The model calls `positions` and `attend`; generation calls `prepare` and `free`. So stage 3's
 paged cache can replace this one without the model noticing. (The checks of sizes, ids and
-memory live in `checks.py`, not needed on a first read.)
+memory live in `checks.py` and `cache_checks.py`, not needed on a first read.)
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from .cache_queries import ContiguousQueries   # what drawings ask: not the idea
-from .checks import check_contiguous, check_count, check_row_room, check_rows
+from .cache_checks import check_contiguous, check_row_room, check_rows
+from .checks import check_count
 
 
 def kv_bytes_per_token(n_kv_heads: int, head_dim: int, dtype=torch.bfloat16,

@@ -7,8 +7,8 @@ flash-attn's signature and meaning: flash-attn's CUDA kernel where it can serve 
 this readable PyTorch version, which (1) writes the new k/v through a slot mapping, (2) gathers
 each row's blocks into one contiguous tensor, (3) attends as the contiguous cache does.
 A later stage's kernel (`backend="triton"`, `"cpu"`) runs only when asked for by name. The input
-checks and the choice of backend are support code (`checks.py`, `backends.py`): not needed on a
-first read.
+checks and the choice of backend are support code (`cache_checks.py`, `backends.py`): not
+needed on a first read.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from . import backends
 from .backends import (BACKENDS, available_backends, flash_attn,  # noqa: F401 (the call's API)
                        flash_attn_available, pick_backend, register_backend)
-from .checks import check_attention_inputs, check_blocks, check_implemented, check_lengths
+from .cache_checks import check_attention_inputs, check_blocks, check_implemented, check_lengths
 from .kv_cache import attention_over_cache
 
 

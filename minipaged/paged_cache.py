@@ -11,8 +11,8 @@ import torch
 
 from .cache_manager import CacheManager
 from .cache_queries import PagedCacheQueries   # what later stages ask: not the idea
-from .checks import check_count, check_pool, check_request, check_sizes, check_step_ids, \
-    check_step_room
+from .cache_checks import check_pool, check_step_ids, check_step_room
+from .checks import check_count, check_request, check_sizes
 from .generation import generate_static
 from .kv_cache import kv_bytes_per_token
 from .paged_attention import flash_attn_with_kvcache

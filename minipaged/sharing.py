@@ -25,8 +25,8 @@ import numbers
 import numpy as np
 
 from .cache_manager import CacheManager
-from .checks import check_count, check_live, check_new, check_one, check_room, check_step_room, \
-    check_tokens
+from .cache_checks import check_live, check_new, check_one, check_room, check_step_room
+from .checks import check_count, check_tokens
 from .errors import RequestError
 from .paged_cache import PagedCache
 from .prefix_cache import PrefixCache, block_hashes

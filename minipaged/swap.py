@@ -14,7 +14,7 @@ import torch
 
 from .cache_manager import CacheManager
 from .errors import OutOfBlocksError
-from .checks import check_memory, pool_bytes
+from .cache_checks import check_memory, pool_bytes
 from .kv_cache import kv_bytes_per_token
 
 

@@ -9,7 +9,7 @@ from conftest import tiny_args, tiny_model
 
 from minipaged import Engine, NotEnoughMemoryError, generate
 from minipaged.cache_manager import CacheManager
-from minipaged.checks import available_memory
+from minipaged.cache_checks import available_memory
 from minipaged.kv_cache import ContiguousCache
 from minipaged.paged_cache import PagedCache
 from minipaged.swap import SwapSpace
@@ -48,7 +48,7 @@ def test_sizes_past_memory_are_refused_before_allocating(build):
 def test_all_layers_count_and_the_message_says_what_fits(monkeypatch):
     """With 1 MiB available, a pool whose one layer fits but whose layers together do not is
     refused; the count of blocks that fit is 1 MiB over a block's bytes in all layers."""
-    monkeypatch.setattr("minipaged.checks.available_memory", lambda device: 1 << 20)
+    monkeypatch.setattr("minipaged.cache_checks.available_memory", lambda device: 1 << 20)
     a = tiny_args()                                          # 2 layers, 2 KV heads of 16
     per_block = 2 * a.n_layers * 16 * a.n_kv_heads * a.head_dim * 4      # K+V, fp32, 16 tokens
     fits = (1 << 20) // per_block

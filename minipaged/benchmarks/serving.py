@@ -39,7 +39,7 @@ from ..errors import OutOfBlocksError
 from ..formats import load_model
 from ..formats.atomic import write_file
 from ..generation import generate_static
-from ..checks import check_memory
+from ..cache_checks import check_memory
 from ..kv_cache import ContiguousCache, kv_bytes_per_token
 from ..model import Llama
 from ..workloads import SHAREGPT, synthetic

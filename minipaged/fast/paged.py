@@ -31,7 +31,8 @@ import torch
 
 from ..backends import BACKENDS, flash_attn, pick_backend, why_not_flash
 from ..cache_manager import PAD_BLOCK
-from ..checks import check_count, check_step_ids, check_step_room
+from ..cache_checks import check_step_ids, check_step_room
+from ..checks import check_count
 from ..cpu_attention import why_not_cpu
 from ..errors import RequestError
 from ..paged_cache import PagedCache
