@@ -112,6 +112,13 @@ def close(a, b, tol=1e-5) -> bool:
     return a.shape == b.shape and bool(torch.allclose(a.double(), b.double(), atol=tol, rtol=tol))
 
 
+def expect_same_tokens(got, want, lengths, where: str, reference: str) -> None:
+    """Each prompt's greedy tokens `got` (`where`) equal `want` (`reference`'s), or a sentence."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        expect(g == w, f"prompt {i} ({lengths[i]} tokens) continued as {g} {where}, but "
+                       f"{reference} gives {w}")
+
+
 # -- stage 1 ---------------------------------------------------------------------------------------
 
 def contiguous_cache_tokens():
@@ -120,9 +127,7 @@ def contiguous_cache_tokens():
     cache = ContiguousCache(model.args, 3, model.args.max_seq_len, dtype=torch.float64)
     got = generate_static(model, prompts_of(lengths), n, cache=cache, stop_tokens=[])
     want = no_cache_tokens(lengths, n)
-    for i, (g, w) in enumerate(zip(got, want)):
-        expect(g == w, f"prompt {i} (of {lengths[i]} tokens) continued as {g} on the contiguous "
-                       f"cache, but the model without a cache gives {w}")
+    expect_same_tokens(got, want, lengths, "on the contiguous cache", "the model without a cache")
 
 
 @prop(20)
@@ -321,9 +326,7 @@ def paged_cache_tokens():
     got = generate_paged(tiny_model(), prompts_of(lengths), n, block_size=4, backend="torch",
                          stop_tokens=[])
     want = contiguous_tokens(lengths, n)
-    for i, (g, w) in enumerate(zip(got, want)):
-        expect(g == w, f"prompt {i} ({lengths[i]} tokens) continued as {g} on the paged cache, "
-                       f"but the contiguous cache gives {w}")
+    expect_same_tokens(got, want, lengths, "on the paged cache", "the contiguous cache")
 
 
 def later_stages_build_on_your_allocator():
@@ -440,9 +443,8 @@ def paged_call_tokens():
                               dtype=torch.float64, seed=3)
         got = generate_static(model, prompts_of(lengths), n, cache=cache, stop_tokens=[])
         want = contiguous_tokens(lengths, n)
-        for i, (g, w) in enumerate(zip(got, want)):
-            expect(g == w, f"prompt {i} ({lengths[i]} tokens, blocks of {bs}) continued as {g} "
-                           f"on the paged cache, but the contiguous cache gives {w}")
+        expect_same_tokens(got, want, lengths, f"on the paged cache (blocks of {bs})",
+                           "the contiguous cache")
 
 
 # -- stage 3b --------------------------------------------------------------------------------------
