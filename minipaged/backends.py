@@ -6,6 +6,7 @@
 (stage 3b's "triton" and "cpu"), which run only when asked for by name, or through the speed
 layer (`minipaged.fast`). "auto" is flash-attn's kernel where it can serve the call, else "torch".
 `last_backend` says which one served the last call; the first use of each is logged once.
+`sdpa` is how torch's own attention runs on each device, for every PyTorch path.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 from typing import Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 try:  # optional: the CUDA kernel, `pip install flash-attn --no-build-isolation`
     import flash_attn
@@ -76,6 +78,17 @@ def pick_backend(backend: str, q, k_cache, block_table, why_auto_not: str | None
     last_backend = name
     _announce(name, why_not if backend == "auto" and name == "torch" else why_auto_not, q.is_cuda)
     return name
+
+
+def sdpa(q, k, v, scale, **options):
+    """`F.scaled_dot_product_attention` on (B, H, T, D), grouped-query heads included, in q's
+    dtype; on a CPU bf16 and fp16 are computed in float32, which is faster there and as exact.
+    Stage 1's attention (`kv_cache.attention_over_cache`) runs through it."""
+    dtype = q.dtype
+    if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        q, k, v = q.float(), k.float(), v.float()
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                                          **options).to(dtype)
 
 
 def why_not_flash(q, k_cache, block_table) -> str | None:

@@ -67,14 +67,12 @@ def generate_static(model, prompts, max_new_tokens, cache=None, temperature: flo
         still = []
         for i in live:                              # record the token each row just produced
             t = next_token[i]
-            if t in stop or len(out[i]) >= limits[i]:
+            if t not in stop:
+                out[i].append(t)
+            if t in stop or len(out[i]) == limits[i]:
                 cache.free(i)                       # done: give the cache back at once
-                continue
-            out[i].append(t)
-            if len(out[i]) == limits[i]:
-                cache.free(i)
-                continue
-            still.append(i)
+            else:
+                still.append(i)
         live = still
         if not live:
             break

@@ -6,7 +6,6 @@ against; with a cache, only where attention gets its keys and values changes (`c
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .checks import check_model_args
+from .rope_scaling import rescale_rope_frequencies
 
 
 @dataclass
@@ -65,29 +65,12 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def scale_rope_frequencies(freqs, args: ModelArgs):
-    """Llama 3.1's rope scaling (a model trained at 8K reads 128K): slow frequencies are divided
-    by the factor, fast ones kept, the band between blended."""
-    low_wavelen = args.rope_original_max_len / args.rope_low_freq_factor     # longer: scale fully
-    high_wavelen = args.rope_original_max_len / args.rope_high_freq_factor   # shorter: keep
-    wavelen = 2 * math.pi / freqs
-    smooth = (args.rope_original_max_len / wavelen - args.rope_low_freq_factor) / (
-        args.rope_high_freq_factor - args.rope_low_freq_factor)
-    blended = (1 - smooth) * freqs / args.rope_scale_factor + smooth * freqs
-    return torch.where(wavelen < high_wavelen, freqs,
-                       torch.where(wavelen > low_wavelen, freqs / args.rope_scale_factor, blended))
-
-
 def rope_frequencies(args: ModelArgs):
-    """The rotary frequencies theta^(-2i/d), one per (even, odd) pair of a head: (head_dim // 2,)."""
+    """The rotary frequencies theta^(-2i/d), one per (even, odd) pair of a head: (head_dim // 2,),
+    rescaled as the checkpoint says (Llama 3.1+ stretches the slow ones: `rope_scaling.py`)."""
     d = args.head_dim
     exps = torch.arange(0, d, 2, device="cpu")[: d // 2].float() / d   # cpu even under a meta device
-    freqs = 1.0 / (args.rope_theta ** exps)
-    if args.use_scaled_rope:
-        freqs = scale_rope_frequencies(freqs, args)
-    if args.rope_freq_factors is not None:
-        freqs = freqs / torch.tensor(args.rope_freq_factors, dtype=torch.float32, device="cpu")
-    return freqs
+    return rescale_rope_frequencies(1.0 / (args.rope_theta ** exps), args)
 
 
 def precompute_freqs_cis(freqs, positions):

@@ -15,18 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from . import backends
 from .backends import (BACKENDS, available_backends, flash_attn,  # noqa: F401 (the call's API)
                        flash_attn_available, pick_backend, register_backend)
 from .cache_checks import check_attention_inputs, check_blocks, check_implemented, check_lengths
 from .kv_cache import attention_over_cache
-
-
-def __getattr__(name):
-    """`paged_attention.last_backend`: the implementation that served the last call."""
-    if name == "last_backend":
-        return backends.last_backend
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,

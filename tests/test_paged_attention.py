@@ -280,13 +280,13 @@ def test_auto_on_a_cpu_is_stage_3s_pytorch_path_and_the_c_kernel_only_when_asked
     with caplog.at_level(logging.INFO, logger="minipaged.paged_attention"):
         out = flash_attn_with_kvcache(**{**case, "k": None, "v": None})
         flash_attn_with_kvcache(**{**case, "k": None, "v": None})
-    assert pa.last_backend == "torch"
+    assert backends.last_backend == "torch"
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "torch implementation" in lines[0], lines
     assert torch.equal(out, flash_attn_with_kvcache(**{**case, "k": None, "v": None},
                                                     backend="torch"))
     flash_attn_with_kvcache(**{**case, "k": None, "v": None}, backend="cpu")
-    assert pa.last_backend == "cpu"
+    assert backends.last_backend == "cpu"
     if not torch.cuda.is_available():
         assert not pa.flash_attn_available()
     with pytest.raises(ValueError, match="not on a CUDA GPU|not installed"):
@@ -301,7 +301,7 @@ def test_the_speed_layers_auto_runs_the_c_kernel_and_says_so(monkeypatch, caplog
     with caplog.at_level(logging.INFO, logger="minipaged.paged_attention"):
         assert fast_backend("auto", case["q"], case["k_cache"], case["block_table"]) == "cpu"
         assert fast_backend("auto", case["q"], case["k_cache"], case["block_table"]) == "cpu"
-    assert pa.last_backend == "cpu"
+    assert backends.last_backend == "cpu"
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "cpu implementation" in lines[0], lines
     assert "not installed" in lines[0] or "CUDA" in lines[0]
@@ -317,7 +317,7 @@ def test_without_a_compiler_auto_runs_pytorch_and_says_why(monkeypatch, caplog):
     try:
         with caplog.at_level(logging.INFO, logger="minipaged.paged_attention"):
             name = fast_backend("auto", case["q"], case["k_cache"], case["block_table"])
-        assert name == "torch" and pa.last_backend == "torch"
+        assert name == "torch" and backends.last_backend == "torch"
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == 1 and "torch implementation" in lines[0] \
             and "no C compiler was found" in lines[0], lines
