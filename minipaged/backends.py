@@ -6,16 +6,21 @@
 (stage 3b's "triton" and "cpu"), which run only when asked for by name, or through the speed
 layer (`minipaged.fast`). "auto" is flash-attn's kernel where it can serve the call, else "torch".
 `last_backend` says which one served the last call; the first use of each is logged once.
-`sdpa` is how torch's own attention runs on each device, for every PyTorch path.
+`dispatch` wraps the call: it checks the inputs, picks the implementation and hands flash-attn's
+kernel the call as it came. `sdpa` is how torch's own attention runs on each device.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from .cache_checks import check_attention_inputs, check_implemented
 
 try:  # optional: the CUDA kernel, `pip install flash-attn --no-build-isolation`
     import flash_attn
@@ -57,6 +62,31 @@ def available_backends() -> list[str]:
 def flash_attn_available() -> bool:
     """True when flash-attn's kernel imports and a CUDA GPU is present."""
     return flash_attn is not None and torch.cuda.is_available()
+
+
+def dispatch(paged_attention: Callable) -> Callable:
+    """Wrap stage 3's `flash_attn_with_kvcache`: check the call's inputs (a sentence for anything
+    flash-attn would refuse), pick the implementation, and hand the call, as it came, to
+    flash-attn's kernel when that is the one; otherwise refuse the options only that kernel
+    implements and run the wrapped function, its `backend` the name picked."""
+    signature = inspect.signature(paged_attention)
+
+    @functools.wraps(paged_attention)
+    def call(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments                                   # every argument, by name
+        a["cache_seqlens"] = check_attention_inputs(
+            a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"], a["cache_seqlens"],
+            a["cache_batch_idx"], a["block_table"], a["softmax_scale"])
+        name = pick_backend(a.pop("backend"), a["q"], a["k_cache"], a["block_table"])
+        if name == "flash_attn":
+            return flash_attn.flash_attn_with_kvcache(**a)
+        check_implemented(name, **{option: a[option] for option in (
+            "rotary_cos", "rotary_sin", "cache_leftpad", "window_size", "softcap", "alibi_slopes",
+            "return_softmax_lse")})
+        return paged_attention(**a, backend=name)
+    return call
 
 
 def pick_backend(backend: str, q, k_cache, block_table, why_auto_not: str | None = None) -> str:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from .backends import (BACKENDS, available_backends, flash_attn,  # noqa: F401 (the call's API)
-                       flash_attn_available, pick_backend, register_backend)
-from .cache_checks import check_attention_inputs, check_blocks, check_implemented, check_lengths
+from .backends import (BACKENDS, available_backends, dispatch,  # noqa: F401 (the call's API)
+                       flash_attn_available, register_backend)
+from .cache_checks import check_blocks, check_lengths
 from .kv_cache import attention_over_cache
 
 
+@dispatch   # backends.py: checks the call, picks the implementation, runs flash-attn's kernel
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False,
@@ -30,27 +31,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """Write `k`/`v` (B, Sk, Hk, D) into the cache in place at `cache_seqlens`, then attend `q`
     (B, Sq, Hq, D) over cache_seqlens[b] + Sk keys of row b: (B, Sq, Hq, D). The cache is paged,
     (num_blocks, block_size, Hk, D) with `block_table` int32 (B, max_blocks), or flash-attn's
-    non-paged (B_cache, seqlen_cache, Hk, D) with `cache_batch_idx`."""
-    cache_seqlens = check_attention_inputs(q, k_cache, v_cache, k, v, cache_seqlens,
-                                           cache_batch_idx, block_table, softmax_scale)
-    name = pick_backend(backend, q, k_cache, block_table)
-    if name == "flash_attn":
-        return flash_attn.flash_attn_with_kvcache(
-            q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-            cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
-            cache_leftpad=cache_leftpad, block_table=block_table, softmax_scale=softmax_scale,
-            causal=causal, window_size=window_size, softcap=softcap,
-            rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
-            num_splits=num_splits, return_softmax_lse=return_softmax_lse)
-
-    check_implemented(name, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                      cache_leftpad=cache_leftpad, window_size=window_size, softcap=softcap,
-                      alibi_slopes=alibi_slopes, return_softmax_lse=return_softmax_lse)
+    non-paged (B_cache, seqlen_cache, Hk, D) with `cache_batch_idx`. Past `dispatch`, `backend`
+    names the implementation that attends: "torch" (below) or a later stage's."""
     table, cache_seqlens, seqlens_k = owned_block_table(q, k_cache, k, cache_seqlens,
                                                         cache_batch_idx, block_table)
     write_new_kv(k_cache, v_cache, k, v, table, cache_seqlens)
-    return BACKENDS[name].attend(q, k_cache, v_cache, table, seqlens_k, causal, softmax_scale,
-                                 num_splits)
+    return BACKENDS[backend].attend(q, k_cache, v_cache, table, seqlens_k, causal, softmax_scale,
+                                    num_splits)
 
 
 def owned_block_table(q, k_cache, k, cache_seqlens, cache_batch_idx, block_table):
