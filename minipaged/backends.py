@@ -68,7 +68,8 @@ def dispatch(paged_attention: Callable) -> Callable:
     """Wrap stage 3's `flash_attn_with_kvcache`: check the call's inputs (a sentence for anything
     flash-attn would refuse), pick the implementation, and hand the call, as it came, to
     flash-attn's kernel when that is the one; otherwise refuse the options only that kernel
-    implements and run the wrapped function, its `backend` the name picked."""
+    implements and run the wrapped function on the call's paged form, its `backend` the name
+    picked."""
     signature = inspect.signature(paged_attention)
 
     @functools.wraps(paged_attention)
@@ -85,8 +86,23 @@ def dispatch(paged_attention: Callable) -> Callable:
         check_implemented(name, **{option: a[option] for option in (
             "rotary_cos", "rotary_sin", "cache_leftpad", "window_size", "softcap", "alibi_slopes",
             "return_softmax_lse")})
+        a["block_table"], a["cache_seqlens"] = paged_form(
+            a["q"], a["k_cache"], a["cache_seqlens"], a["cache_batch_idx"], a["block_table"])
         return paged_attention(**a, backend=name)
     return call
+
+
+def paged_form(q, k_cache, cache_seqlens, cache_batch_idx, block_table):
+    """(block_table, cache_seqlens) of flash-attn's call in its paged form: a non-paged cache
+    (B_cache, seqlen_cache, Hk, D) is a pool of B_cache blocks of seqlen_cache slots, row b's
+    table the one block cache_batch_idx[b] (or b); no `cache_seqlens` means every row is full."""
+    B = q.shape[0]
+    if block_table is None:
+        block_table = (cache_batch_idx if cache_batch_idx is not None else torch.arange(B))[:, None]
+    if cache_seqlens is None:
+        cache_seqlens = torch.full((B,), block_table.shape[1] * k_cache.shape[1],
+                                   dtype=torch.int32, device=q.device)
+    return block_table, cache_seqlens
 
 
 def pick_backend(backend: str, q, k_cache, block_table, why_auto_not: str | None = None) -> str:

@@ -31,30 +31,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """Write `k`/`v` (B, Sk, Hk, D) into the cache in place at `cache_seqlens`, then attend `q`
     (B, Sq, Hq, D) over cache_seqlens[b] + Sk keys of row b: (B, Sq, Hq, D). The cache is paged,
     (num_blocks, block_size, Hk, D) with `block_table` int32 (B, max_blocks), or flash-attn's
-    non-paged (B_cache, seqlen_cache, Hk, D) with `cache_batch_idx`. Past `dispatch`, `backend`
-    names the implementation that attends: "torch" (below) or a later stage's."""
-    table, cache_seqlens, seqlens_k = owned_block_table(q, k_cache, k, cache_seqlens,
-                                                        cache_batch_idx, block_table)
+    non-paged (B_cache, seqlen_cache, Hk, D) with `cache_batch_idx`. Past `dispatch`, the call
+    is paged, `cache_seqlens` a tensor, and `backend` the implementation that attends: "torch"
+    (below) or a later stage's."""
+    table, seqlens_k = owned_block_table(q, k_cache, k, cache_seqlens, block_table)
     write_new_kv(k_cache, v_cache, k, v, table, cache_seqlens)
     return BACKENDS[backend].attend(q, k_cache, v_cache, table, seqlens_k, causal, softmax_scale,
                                     num_splits)
 
 
-def owned_block_table(q, k_cache, k, cache_seqlens, cache_batch_idx, block_table):
-    """(table (B, n), cache_seqlens (B,), seqlens_k (B,)): the table cut to the n blocks the
-    longest row needs, entries a row does not own (padding, stale ids) pointed at block 0, which
-    no backend reads past seqlens_k[b]; the lengths before and after the new tokens."""
-    B, device = q.shape[0], q.device
-    num_blocks, block_size = k_cache.shape[:2]
-    if block_table is None:
-        # non-paged: one block per row, a whole cache row long
-        rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(B)
-        block_table = rows[:, None]                                           # (B, 1)
+def owned_block_table(q, k_cache, k, cache_seqlens, block_table):
+    """(table (B, n), seqlens_k (B,)): the table cut to the n blocks the longest row needs,
+    entries a row does not own (padding, stale ids) pointed at block 0, which no backend reads
+    past seqlens_k[b], the keys row b has once the new tokens are in."""
+    device, (num_blocks, block_size) = q.device, k_cache.shape[:2]
     block_table = block_table.to(device)
     capacity = block_table.shape[1] * block_size          # slots a row's table can address
     n_new = 0 if k is None else k.shape[1]
-    if cache_seqlens is None:                             # no lengths: every row is full
-        cache_seqlens = torch.full((B,), capacity, dtype=torch.int32, device=device)
     seqlens_k = cache_seqlens.long() + n_new                                  # (B,) keys per row
     check_lengths(cache_seqlens, seqlens_k, capacity, block_table.shape[1], block_size)
     L = max(seqlens_k.tolist())                           # the longest row: all we gather
@@ -62,7 +55,7 @@ def owned_block_table(q, k_cache, k, cache_seqlens, cache_batch_idx, block_table
     owned = torch.arange(n, device=device) * block_size < seqlens_k[:, None]  # (B, n)
     table = torch.where(owned, block_table[:, :n].long(), 0)                  # (B, n)
     check_blocks(table, num_blocks)
-    return table, cache_seqlens, seqlens_k
+    return table, seqlens_k
 
 
 def write_new_kv(k_cache, v_cache, k, v, table, cache_seqlens) -> None:
