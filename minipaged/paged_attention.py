@@ -3,12 +3,11 @@
 The pool `k_cache`/`v_cache` is (num_blocks, block_size, n_kv_heads, head_dim); row b's
 `block_table[b]` lists its blocks in order, so position `pos` lives in block
 `block_table[b, pos // block_size]` at offset `pos % block_size`. `flash_attn_with_kvcache` has
-flash-attn's signature and meaning: flash-attn's CUDA kernel where it can serve the call, else
-this readable PyTorch version, which (1) writes the new k/v through a slot mapping, (2) gathers
-each row's blocks into one contiguous tensor, (3) attends as the contiguous cache does.
-A later stage's kernel (`backend="triton"`, `"cpu"`) runs only when asked for by name. The input
-checks and the choice of backend are support code (`cache_checks.py`, `backends.py`): not
-needed on a first read.
+flash-attn's signature and meaning; its readable PyTorch version (1) writes the new k/v through a
+slot mapping, (2) gathers each row's blocks into one contiguous tensor, (3) attends as the
+contiguous cache does. `@dispatch` (support code in `backends.py`, not needed on a first read)
+checks the call and runs flash-attn's CUDA kernel where it can serve it, or a later stage's
+kernel (`backend="triton"`, `"cpu"`) when asked for by name.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from .cache_checks import check_blocks, check_lengths
 from .kv_cache import attention_over_cache
 
 
-@dispatch   # backends.py: checks the call, picks the implementation, runs flash-attn's kernel
+@dispatch
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False,
