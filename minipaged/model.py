@@ -13,11 +13,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .checks import check_model_args
-from .rope_scaling import rescale_rope_frequencies
+from .rope_scaling import RopeScalingArgs, rescale_rope_frequencies
 
 
 @dataclass
-class ModelArgs:
+class ModelArgs(RopeScalingArgs):
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -27,16 +27,10 @@ class ModelArgs:
     ffn_dim_multiplier: float | None = None
     hidden_dim: int | None = None         # ...or the width itself (Hugging Face's intermediate_size)
     norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    use_scaled_rope: bool = False         # Llama 3.1+: stretch the low rotary frequencies
-    rope_scale_factor: float = 8.0        # 8 in Meta's code, 32 in HF's Llama 3.2 config: read it
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_len: int = 8192
+    rope_theta: float = 500000.0          # RoPE's base, rescaled as RopeScalingArgs says
     max_seq_len: int = 8192               # the longest sequence a cache will be asked to hold
     tie_word_embeddings: bool = False     # Llama 3.2 1B/3B reuse tok_embeddings as output
     stop_tokens: list[int] = field(default_factory=list)
-    rope_freq_factors: list[float] | None = None  # GGUF (llama.cpp's rope_freqs): divide freq i by it
 
     def __post_init__(self):
         if self.n_kv_heads is None:

@@ -9,8 +9,20 @@ rule as one divisor per frequency (`rope_freq_factors`, llama.cpp's `rope_freqs`
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class RopeScalingArgs:
+    """The fields of stage 1's ModelArgs (which inherits them) that say how to rescale RoPE."""
+    use_scaled_rope: bool = False         # Llama 3.1+: stretch the low rotary frequencies
+    rope_scale_factor: float = 8.0        # 8 in Meta's code, 32 in HF's Llama 3.2 config: read it
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    rope_freq_factors: list[float] | None = None  # GGUF (llama.cpp's rope_freqs): divide freq i by it
 
 
 def scale_rope_frequencies(freqs, args):
