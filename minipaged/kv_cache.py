@@ -79,7 +79,6 @@ class ContiguousCache(ContiguousQueries):
                  device="cpu", dtype=torch.float32):
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len or args.max_seq_len
-        self.n_layers = args.n_layers
         check_contiguous(args, max_batch, self.max_seq_len, device, dtype, kv_bytes_per_token)
         shape = (max_batch, self.max_seq_len, args.n_kv_heads, args.head_dim)
         self.k_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
