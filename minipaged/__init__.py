@@ -19,9 +19,11 @@ Read the stages in order, each module beside its lesson (`lessons/`) and noteboo
 Around them: `formats/` (checkpoints and tokenizers), `embedded/` (the shipped model's corpus and
 trainer), `chat/` (`python -m minipaged.chat`), `viz/` (the drawings), `benchmarks/`, `fast/`
 (the speed layer). Support modules beside the stages, not needed on a first read: `checks.py`
-(values and requests), `cache_checks.py` (memory, pools, attention calls), `backends.py` (which attention implementation runs), `sizing.py`,
-`cache_queries.py` (what drawings and later stages ask a cache). `exercises/` is the course's
-build-it-yourself tasks and grader (`python -m minipaged.exercises`).
+(values and requests), `cache_checks.py` (memory, pools, attention calls), `backends.py` (which
+attention implementation runs), `rope_scaling.py` (Llama 3.1's longer context), `sampling.py`
+(greedy and top-p), `sizing.py`, `cache_queries.py` (what drawings and later stages ask a
+cache). `exercises/` is the course's build-it-yourself tasks and grader (`python -m
+minipaged.exercises`).
 """
 
 from . import cpu_attention, triton_attention  # register backend="cpu" and "triton" (asked by name)

@@ -18,8 +18,8 @@ memory live in `checks.py` and `cache_checks.py`, not needed on a first read.)
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from .backends import sdpa   # F.scaled_dot_product_attention (on a CPU, in float32)
 from .cache_queries import ContiguousQueries   # what drawings ask: not the idea
 from .cache_checks import check_contiguous, check_row_room, check_rows
 from .checks import check_count
@@ -51,16 +51,6 @@ def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=
     return y.transpose(1, 2)                                                  # (B, Sq, Hq, D)
 
 
-def sdpa(q, k, v, scale, **options):
-    """`F.scaled_dot_product_attention` on (B, H, T, D), grouped-query heads included, in q's
-    dtype; on a CPU bf16 and fp16 are computed in float32, which is faster there and as exact."""
-    dtype = q.dtype
-    if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        q, k, v = q.float(), k.float(), v.float()
-    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                                          **options).to(dtype)
-
-
 def masked_attention(q, k_ctx, v_ctx, seqlens_k, causal, scale):
     """The general case (prompt chunks after cached tokens, rows of different lengths), on
     q (B, Hq, Sq, D) and k_ctx, v_ctx (B, Hk, L, D). Slots past a row's keys are zeroed first:
@@ -89,7 +79,6 @@ class ContiguousCache(ContiguousQueries):
                  device="cpu", dtype=torch.float32):
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len or args.max_seq_len
-        self.n_layers = args.n_layers
         check_contiguous(args, max_batch, self.max_seq_len, device, dtype, kv_bytes_per_token)
         shape = (max_batch, self.max_seq_len, args.n_kv_heads, args.head_dim)
         self.k_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]

@@ -14,6 +14,7 @@ a CUDA machine it runs compiled, on CUDA tensors).
 import logging
 import math
 import random
+import types
 
 import pytest
 import torch
@@ -280,17 +281,44 @@ def test_auto_on_a_cpu_is_stage_3s_pytorch_path_and_the_c_kernel_only_when_asked
     with caplog.at_level(logging.INFO, logger="minipaged.paged_attention"):
         out = flash_attn_with_kvcache(**{**case, "k": None, "v": None})
         flash_attn_with_kvcache(**{**case, "k": None, "v": None})
-    assert pa.last_backend == "torch"
+    assert backends.last_backend == "torch"
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "torch implementation" in lines[0], lines
     assert torch.equal(out, flash_attn_with_kvcache(**{**case, "k": None, "v": None},
                                                     backend="torch"))
     flash_attn_with_kvcache(**{**case, "k": None, "v": None}, backend="cpu")
-    assert pa.last_backend == "cpu"
+    assert backends.last_backend == "cpu"
     if not torch.cuda.is_available():
         assert not pa.flash_attn_available()
     with pytest.raises(ValueError, match="not on a CUDA GPU|not installed"):
         flash_attn_with_kvcache(**case, backend="flash_attn")
+
+
+def test_flash_attns_kernel_gets_every_argument_of_the_call_unchanged(monkeypatch):
+    """Where flash-attn's kernel serves a call (stood in for here: it needs a CUDA GPU), it is
+    handed every argument of flash-attn's signature by name, as given (the lengths as an int32
+    tensor); nothing of our own writes or attends."""
+    calls = []
+    monkeypatch.setattr(backends, "flash_attn", types.SimpleNamespace(
+        flash_attn_with_kvcache=lambda *args, **kwargs: calls.append((args, kwargs)) or "kernel"))
+    monkeypatch.setattr(backends, "why_not_flash", lambda q, k_cache, block_table: None)
+    case, _ = random_paged_case(5, 16)
+    call = {**case, "cache_seqlens": 3, "rotary_cos": torch.ones(1), "rotary_sin": torch.zeros(1),
+            "softmax_scale": 0.25, "causal": True, "window_size": (3, 0), "softcap": 0.5,
+            "rotary_interleaved": False, "alibi_slopes": torch.ones(2), "num_splits": 2,
+            "return_softmax_lse": True}
+    k_cache_before = case["k_cache"].clone()
+    assert flash_attn_with_kvcache(**call) == "kernel"
+    assert backends.last_backend == "flash_attn" and len(calls) == 1
+    args, kwargs = calls[0]
+    expected = {**call, "cache_batch_idx": None, "cache_leftpad": None}
+    assert args == () and set(kwargs) == set(expected)
+    for name, value in expected.items():
+        if name == "cache_seqlens":
+            assert kwargs[name].dtype == torch.int32 and kwargs[name].tolist() == [3] * len(case["q"])
+        else:
+            assert kwargs[name] is value, name
+    assert torch.equal(case["k_cache"], k_cache_before)     # the kernel writes, not us
 
 
 def test_the_speed_layers_auto_runs_the_c_kernel_and_says_so(monkeypatch, caplog):
@@ -301,7 +329,7 @@ def test_the_speed_layers_auto_runs_the_c_kernel_and_says_so(monkeypatch, caplog
     with caplog.at_level(logging.INFO, logger="minipaged.paged_attention"):
         assert fast_backend("auto", case["q"], case["k_cache"], case["block_table"]) == "cpu"
         assert fast_backend("auto", case["q"], case["k_cache"], case["block_table"]) == "cpu"
-    assert pa.last_backend == "cpu"
+    assert backends.last_backend == "cpu"
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "cpu implementation" in lines[0], lines
     assert "not installed" in lines[0] or "CUDA" in lines[0]
@@ -317,7 +345,7 @@ def test_without_a_compiler_auto_runs_pytorch_and_says_why(monkeypatch, caplog):
     try:
         with caplog.at_level(logging.INFO, logger="minipaged.paged_attention"):
             name = fast_backend("auto", case["q"], case["k_cache"], case["block_table"])
-        assert name == "torch" and pa.last_backend == "torch"
+        assert name == "torch" and backends.last_backend == "torch"
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == 1 and "torch implementation" in lines[0] \
             and "no C compiler was found" in lines[0], lines
