@@ -19,10 +19,9 @@ def generate_static(model, prompts, max_new_tokens, cache=None, temperature: flo
     """Continue each prompt (token ids) as one static batch; return the new tokens in prompt order.
 
     max_new_tokens: an int or one per prompt. cache: any cache (`kv_cache.py`) with a row per
-    prompt; None builds a ContiguousCache. stop_tokens: None is the model's, [] never stops; a
-    stop token ends its sequence unreturned. callback(event, seq_id, token, cache) follows every
-    token (the notebooks draw the cache with it).
-    """
+    prompt; None builds a ContiguousCache. stop_tokens: None is the model's, [] never stops; a stop
+    token ends its sequence unreturned. callback(event, seq_id, token, cache) follows every token
+    (the notebooks draw the cache with it)."""
     max_seq_len = max_seq_len or getattr(cache, "max_seq_len", None) or model.args.max_seq_len
     limits = check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_len)
     stop = set(model.args.stop_tokens if stop_tokens is None else stop_tokens)

@@ -37,8 +37,7 @@ def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=
 
     q (B, Sq, Hq, D); k_ctx, v_ctx (B, L, Hk, D), Hq a multiple of Hk (grouped-query attention);
     the newest Sq keys of a row are the queries' own. `causal` aligns the mask bottom-right, as
-    flash-attn does: query i of row b sees key j if j <= i + seqlens_k[b] - Sq.
-    """
+    flash-attn does: query i of row b sees key j if j <= i + seqlens_k[b] - Sq."""
     B, Sq, Hq, D = q.shape
     L = k_ctx.shape[1]
     scale = softmax_scale if softmax_scale is not None else D ** -0.5

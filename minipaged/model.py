@@ -165,6 +165,3 @@ class Llama(nn.Module):
         elif logits_indices is not None:
             h = h[:, logits_indices]                                                 # (B, K, dim)
         return self.output(self.norm(h)).float()                                     # (B, T, vocab)
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())

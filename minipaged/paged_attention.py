@@ -1,13 +1,12 @@
 """Stage 3: paged attention — attend over a KV cache scattered across fixed-size blocks.
 
 The pool `k_cache`/`v_cache` is (num_blocks, block_size, n_kv_heads, head_dim); row b's
-`block_table[b]` lists its blocks in order, so position `pos` lives in block
+`block_table[b]` lists its blocks in order: position `pos` lives in block
 `block_table[b, pos // block_size]` at offset `pos % block_size`. `flash_attn_with_kvcache` has
 flash-attn's signature and meaning; its readable PyTorch version (1) writes the new k/v through a
 slot mapping, (2) gathers each row's blocks into one contiguous tensor, (3) attends as the
-contiguous cache does. `@dispatch` (support code in `backends.py`, not needed on a first read)
-checks the call and runs flash-attn's CUDA kernel where it can serve it, or a later stage's
-kernel (`backend="triton"`, `"cpu"`) when asked for by name.
+contiguous cache does. `@dispatch` (support, in `backends.py`) checks the call and hands it to
+flash-attn's CUDA kernel where that can serve it, or to a later stage's kernel asked for by name.
 """
 
 from __future__ import annotations
