@@ -44,18 +44,10 @@ def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=
     q, k_ctx, v_ctx = q.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2)  # (B, H, ., D)
     if L > 0 and all(n == L for n in seqlens_k.tolist()) and Sq in (1, L):
         # every row attends to all L keys (one decode step, or whole prompts): nothing to mask
-        y = sdpa(q, k_ctx, v_ctx, scale, is_causal=causal and Sq > 1)
-    else:
-        y = masked_attention(q, k_ctx, v_ctx, seqlens_k, causal, scale)
-    return y.transpose(1, 2)                                                  # (B, Sq, Hq, D)
-
-
-def masked_attention(q, k_ctx, v_ctx, seqlens_k, causal, scale):
-    """The general case (prompt chunks after cached tokens, rows of different lengths), on
-    q (B, Hq, Sq, D) and k_ctx, v_ctx (B, Hk, L, D). Slots past a row's keys are zeroed first:
-    they may hold stale data, even NaN, and a softmax weight of 0 times NaN is still NaN."""
-    B, _, Sq, _ = q.shape
-    L = k_ctx.shape[2]
+        return sdpa(q, k_ctx, v_ctx, scale, is_causal=causal and Sq > 1).transpose(1, 2)
+    # Anything else (prompt chunks after cached tokens, rows of different lengths) needs a mask.
+    # Slots past a row's keys are zeroed first: they may hold stale data, even NaN, and a softmax
+    # weight of 0 times NaN is still NaN.
     seqlens_k = seqlens_k.to(device=q.device, dtype=torch.long)
     key_pos = torch.arange(L, device=q.device)                      # (L,)
     valid = key_pos[None, :] < seqlens_k[:, None]                   # (B, L)
@@ -66,8 +58,8 @@ def masked_attention(q, k_ctx, v_ctx, seqlens_k, causal, scale):
         last_visible = seqlens_k[:, None] - Sq + torch.arange(Sq, device=q.device)  # (B, Sq)
         mask = mask & (key_pos[None, None, :] <= last_visible[:, :, None])         # (B, Sq, L)
     y = sdpa(q, k_ctx, v_ctx, scale, attn_mask=mask[:, None])       # mask (B, 1, Sq or 1, L)
-    sees_nothing = ~mask.any(-1)                                    # (B, Sq or 1)
-    return y.masked_fill(sees_nothing[:, None, :, None], 0)         # (B, Hq, Sq, D)
+    sees_nothing = ~mask.any(-1)                                    # (B, Sq or 1): no key at all
+    return y.masked_fill(sees_nothing[:, None, :, None], 0).transpose(1, 2)  # (B, Sq, Hq, D)
 
 
 class ContiguousCache(ContiguousQueries):
