@@ -13,7 +13,9 @@ every layer but for the block ids. `FastPagedCache` does it once per step for al
   * "auto" is flash-attn's kernel where it can serve the call, else stage 3b's C kernel
     (`cpu_attention.py`) where it builds, else PyTorch, chosen once a step (`fast_backend`);
   * PyTorch decode steps whose rows differ in length attend row by row (`attend_rows`), reading
-    only the blocks each row owns.
+    only the blocks each row owns;
+  * a step of a few tokens per row (stage 7's verify pass) goes to the C kernel too, each query
+    a decode row of its own (`attend_queries_as_rows`).
 
 `FastSharedPagedCache` is the same over stage 6's shared blocks, and `FastEngine` is the engine
 (`minipaged.Engine`) on it: `generate(model, prompts, n, cache="paged",
@@ -33,7 +35,7 @@ from ..backends import BACKENDS, flash_attn, pick_backend, why_not_flash
 from ..cache_manager import PAD_BLOCK
 from ..cache_checks import check_step_ids, check_step_room
 from ..checks import check_count
-from ..cpu_attention import why_not_cpu
+from ..cpu_attention import KV_TYPES, decode_attention, why_not_cpu
 from ..errors import RequestError
 from ..paged_cache import PagedCache
 from ..sharing import SharedPagedCache
@@ -93,11 +95,29 @@ def attend_step(q, k, v, k_cache, v_cache, step: PagedStep, layer: int, name: st
     k_cache[blocks, step.offsets] = k                 # in place, (B, T, Hk, D) slots
     v_cache[blocks, step.offsets] = v
     table = step.tables[layer]
+    if name == "cpu" and 1 < q.shape[1] <= QUERIES_AS_ROWS and k_cache.dtype in KV_TYPES:
+        return attend_queries_as_rows(q, k_cache, v_cache, table, step.seqlens_k)
     if name == "torch" and q.shape[1] == 1:
         lens = step.seqlens_k.tolist()
         if min(lens) < max(lens):
             return _gather_rows_and_attend(q, k_cache, v_cache, table, lens, None)
     return BACKENDS[name].attend(q, k_cache, v_cache, table, step.seqlens_k, True, None, 0)
+
+
+QUERIES_AS_ROWS = 16      # most tokens per row that `attend_queries_as_rows` serves
+
+
+def attend_queries_as_rows(q, k_cache, v_cache, table, seqlens_k):
+    """A step of a few new tokens per row (a speculative verify pass: the last token and its
+    drafts) through stage 3b's decode kernel: each query becomes a row of its own over its
+    sequence's blocks, seeing the keys up to its own position (causal, bottom-right aligned).
+    Each query gets the numbers a decode step at its position gets, without stage 3's gather,
+    mask and padding (at batch 1 on the embedded model, those cost about a third of a step)."""
+    B, T, Hq, D = q.shape
+    lens = seqlens_k[:, None] - (T - 1) + torch.arange(T, device=seqlens_k.device)  # (B, T)
+    y = decode_attention(q.reshape(B * T, 1, Hq, D), k_cache, v_cache,
+                         table.repeat_interleave(T, 0), lens.reshape(-1), D ** -0.5)
+    return y.view(B, T, Hq, D)
 
 
 def _gather_rows_and_attend(q, k_cache, v_cache, table, lens, softmax_scale):
