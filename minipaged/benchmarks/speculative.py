@@ -10,8 +10,8 @@ Two kinds of prompt, each at batch 1 (one request at a time) and at 16 requests 
     lookup finds drafts the model agrees with;
   * open chat: short questions, where the answer shares little with the prompt.
 
-Both runs serve the same requests on the same engine (the speed layer's `FastEngine` with
-stage 7's speculation mixed in) and greedy, so their tokens must be the same (column "same").
+Both runs serve the same requests on the same engine (the speed layer's `FastEngine`, which
+takes stage 7's options) and greedy, so their tokens must be the same (column "same").
 They are taken in turn `--repeat` times, and each keeps its fastest time.
 Columns: acceptance rate (accepted drafts / drafts run), tokens a decoding sequence gains per
 step (1.0 without speculation), tokens/s of each, and the speed-up.
@@ -32,12 +32,6 @@ from .. import cli
 from ..api import generate
 from ..fast import FastEngine
 from ..formats import chat_format, load_model, load_tokenizer, packaged_model_path
-from ..speculative import SpeculativeEngine
-
-
-class FastSpeculativeEngine(SpeculativeEngine, FastEngine):
-    """Stage 7's speculation on the speed layer's cache."""
-
 
 TEXT = ("The scheduler keeps three queues: waiting, running and swapped. Every step it finds a "
         "slot for the next token of every running request, oldest first. When the pool is dry "
@@ -75,7 +69,7 @@ def serve(model, reqs, max_new: int, batch: int, **spec):
     for i in range(0, len(reqs), batch):
         group = reqs[i:i + batch]
         blocks = sum(-(-(len(p) + max_new) // 16) for p in group)    # nobody is preempted
-        engine = FastSpeculativeEngine(model, blocks, 16, max_num_seqs=len(group), **spec)
+        engine = FastEngine(model, blocks, 16, max_num_seqs=len(group), **spec)
         for p in group:
             engine.add_request(p, max_new, stop_tokens=[])
         start = time.perf_counter()

@@ -39,7 +39,7 @@ from ..cpu_attention import KV_TYPES, decode_attention, why_not_cpu
 from ..errors import RequestError
 from ..paged_cache import PagedCache
 from ..sharing import SharedPagedCache
-from ..sharing_engine import SharingEngine
+from ..speculative import SpeculativeEngine
 from .contiguous import attend_rows, upcast
 
 
@@ -236,8 +236,9 @@ class FastSharedPagedCache(FastSteps, SharedPagedCache):
     """Stage 6's SharedPagedCache on the speed layer."""
 
 
-class FastEngine(SharingEngine):
-    """`minipaged.Engine` on the speed layer's cache."""
+class FastEngine(SpeculativeEngine):
+    """`minipaged.Engine` (every stage's options, speculative decoding included) on the speed
+    layer's cache."""
 
     def new_cache(self, *args, **kwargs) -> FastSharedPagedCache:
         return FastSharedPagedCache(*args, prefix_caching=self.prefix_caching, **kwargs)
