@@ -1,6 +1,6 @@
 """Stage 7's benchmark: speculative decoding (n-gram drafts) against plain decoding, side by side.
 
-    python -m minipaged.benchmarks.speculative                  # embedded model (< 2 min)
+    python -m minipaged.benchmarks.speculative                  # embedded model (about 25 s)
     python -m minipaged.benchmarks.speculative --model smollm2  # SmolLM2-135M-Instruct
 
 Two kinds of prompt, each at batch 1 (one request at a time) and at 16 requests at once:
@@ -14,7 +14,9 @@ Both runs serve the same requests on the same engine (the speed layer's `FastEng
 takes stage 7's options) and greedy, so their tokens must be the same (column "same").
 They are taken in turn `--repeat` times, and each keeps its fastest time.
 Columns: acceptance rate (accepted drafts / drafts run), tokens a decoding sequence gains per
-step (1.0 without speculation), tokens/s of each, and the speed-up.
+step (1.0 without speculation), tokens/s of each, the speed-up, and the speed-up in the
+process's CPU time (plain's over speculative's): on a machine other work shares, the wall
+clock also counts the time spent waiting for a core, CPU time does not.
 """
 
 from __future__ import annotations
@@ -64,24 +66,26 @@ def prompts(model, tok, kind: str, count: int) -> list[list[int]]:
 
 
 def serve(model, reqs, max_new: int, batch: int, **spec):
-    """Serve `reqs` `batch` at a time; outputs, seconds, the engines' speculation stats."""
-    outs, seconds, stats = [], 0.0, []
+    """Serve `reqs` `batch` at a time; outputs, seconds (wall clock, and the process's CPU
+    time), the engines' speculation stats."""
+    outs, seconds, cpu_seconds, stats = [], 0.0, 0.0, []
     for i in range(0, len(reqs), batch):
         group = reqs[i:i + batch]
         blocks = sum(-(-(len(p) + max_new) // 16) for p in group)    # nobody is preempted
         engine = FastEngine(model, blocks, 16, max_num_seqs=len(group), **spec)
         for p in group:
             engine.add_request(p, max_new, stop_tokens=[])
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         outs += [r.output for r in engine.run()]
         seconds += time.perf_counter() - start
+        cpu_seconds += time.process_time() - cpu_start
         stats.append(engine.spec)
-    return outs, seconds, stats
+    return outs, seconds, cpu_seconds, stats
 
 
 def side_by_side(model, reqs, max_new: int, batch: int, repeat: int, **spec):
     """Plain and speculative runs of the same requests, taken in turn `repeat` times; each way
-    keeps its fastest time (on a shared machine, the run least disturbed by other work), and
+    keeps its fastest times (on a shared machine, the run least disturbed by other work), and
     its outputs only if every run gave the same (else None)."""
     runs = {"plain": [], "spec": []}
     for _ in range(repeat):
@@ -90,17 +94,17 @@ def side_by_side(model, reqs, max_new: int, batch: int, repeat: int, **spec):
 
     def fastest(rs):
         outs = rs[0][0] if all(r[0] == rs[0][0] for r in rs) else None
-        return outs, min(r[1] for r in rs), rs[0][2]
+        return outs, min(r[1] for r in rs), min(r[2] for r in rs), rs[0][3]
     return fastest(runs["plain"]), fastest(runs["spec"])
 
 
 def row(name, plain, spec):
-    (out0, s0, _), (out1, s1, st) = plain, spec
+    (out0, s0, c0, _), (out1, s1, c1, st) = plain, spec
     tokens = sum(map(len, out0 or out1 or []))
     drafts, accepted = sum(s.draft_tokens for s in st), sum(s.accepted_tokens for s in st)
     per_step = sum(s.decode_tokens for s in st) / max(1, sum(s.decode_rows for s in st))
     return [name, f"{accepted / max(1, drafts):.0%}", f"{per_step:.2f}", f"{tokens / s0:.1f}",
-            f"{tokens / s1:.1f}", f"{s0 / s1:.2f}x",
+            f"{tokens / s1:.1f}", f"{s0 / s1:.2f}x", f"{c0 / c1:.2f}x",
             "✓" if out0 is not None and out0 == out1 else "[red]✗[/red]"]
 
 
@@ -127,7 +131,7 @@ def main(argv=None):
     console = Console(width=None if sys.stdout.isatty() else 160)
     t = Table(title=f"Speculative decoding (stage 7): n-gram drafts, k={args.k}, greedy")
     for col in ["prompts", "batch", "acceptance", "tokens/step", "plain tok/s", "spec tok/s",
-                "speed-up", "same"]:
+                "speed-up", "CPU time", "same"]:
         t.add_column(col, justify="left" if col == "prompts" else "right")
     spec_options = dict(speculative="ngram", num_speculative_tokens=args.k,
                         prompt_lookup_min=args.min_n, prompt_lookup_max=max(args.min_n, 4))
