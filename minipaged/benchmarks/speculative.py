@@ -1,6 +1,6 @@
 """Stage 7's benchmark: speculative decoding (n-gram drafts) against plain decoding, side by side.
 
-    python -m minipaged.benchmarks.speculative                  # embedded model (about 25 s)
+    python -m minipaged.benchmarks.speculative                  # embedded model (about 30 s)
     python -m minipaged.benchmarks.speculative --model smollm2  # SmolLM2-135M-Instruct
 
 Two kinds of prompt, each at batch 1 (one request at a time) and at 16 requests at once:
