@@ -21,7 +21,8 @@ import torch
 
 from minipaged import backends, cpu_attention
 from minipaged import paged_attention as pa
-from minipaged.fast.paged import PagedStep, attend_step, fast_backend, plan_step
+from minipaged.fast import paged as paged_module
+from minipaged.fast.paged import QUERIES_AS_ROWS, PagedStep, attend_step, fast_backend, plan_step
 from minipaged.paged_attention import flash_attn_with_kvcache
 
 BACKENDS = ["torch", "cpu", "triton"]
@@ -165,6 +166,50 @@ def test_a_planned_step_matches_the_dense_reference_in_every_layer(block_size, s
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
         assert torch.equal(call["k_cache"].cpu(), k_after)
         assert torch.equal(call["v_cache"].cpu(), v_after)
+
+
+@pytest.mark.parametrize("T", [2, 5, QUERIES_AS_ROWS, QUERIES_AS_ROWS + 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_few_tokens_per_row_through_the_c_kernel(T, dtype, monkeypatch):
+    """A step of T > 1 tokens per row on the "cpu" backend (a speculative verify pass): up to
+    QUERIES_AS_ROWS tokens each query is a decode row of the C kernel, past it stage 3's gather
+    path serves; either way the dense reference's numbers, and, through the kernel, each
+    query's output is exactly that of a one-token decode step at its position."""
+    if cpu_attention.why_not_cpu(torch.zeros(1, 1, 4, 8), torch.zeros(1, 4, 2, 8)):
+        pytest.skip("no C compiler builds stage 3b's kernel here")
+    gen = torch.Generator().manual_seed(T)
+    n_layers, B, Hk, group, D, block_size = 2, 3, 2, 2, 8, 4
+    lengths = [0, 7, 12]                          # empty, mid-block, on a block boundary
+    max_blocks = -(-(max(lengths) + T) // block_size)
+    num_blocks = B * max_blocks + 2
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen, dtype=torch.int32)
+                          [:B * max_blocks].view(B, max_blocks) for _ in range(n_layers)])
+    randn = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)
+    q, k, v = randn(B, T, Hk * group, D), randn(B, T, Hk, D), randn(B, T, Hk, D)
+    k_cache, v_cache = randn(num_blocks, block_size, Hk, D), randn(num_blocks, block_size, Hk, D)
+    kernel_rows = []
+    real_kernel = paged_module.decode_attention
+    monkeypatch.setattr(paged_module, "decode_attention", lambda q_, *a: kernel_rows.append(
+        q_.shape[0]) or real_kernel(q_, *a))
+    layer = 1
+    expected, k_after, _ = dense_reference(q.float(), k_cache.float(), v_cache.float(), k.float(),
+                                           v.float(), lengths,
+                                           paged_locate(tables[layer], block_size), causal=True)
+    step = plan_step(tables, torch.tensor(lengths, dtype=torch.int32), T, block_size)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = attend_step(q, k, v, kc, vc, step, layer, "cpu")
+    assert kernel_rows == ([B * T] if T <= QUERIES_AS_ROWS else [])
+    assert torch.equal(kc.float(), k_after.to(dtype).float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    if T > QUERIES_AS_ROWS:
+        return
+    # the same tokens one at a time, as decode steps: the same numbers, bit for bit
+    kc, vc = k_cache.clone(), v_cache.clone()
+    for t in range(T):
+        one = plan_step(tables, torch.tensor(lengths, dtype=torch.int32) + t, 1, block_size)
+        y = attend_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], kc, vc, one, layer, "cpu")
+        assert torch.equal(y, out[:, t:t + 1])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
