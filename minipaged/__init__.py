@@ -24,6 +24,15 @@ trainer), `chat/` (`python -m minipaged.chat`), `viz/` (the drawings), `benchmar
 build-it-yourself tasks and grader (`python -m minipaged.exercises`).
 """
 
+import os
+import sys
+
+# OpenMP threads that wait between parallel regions sleep instead of spinning, so a busy core
+# beside the engine does not stall every region (benchmarks/busy_machine.py). OpenMP reads the
+# variable once, when torch loads it: set here, before any torch import, unless already set.
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from . import cpu_attention, triton_attention  # register backend="cpu" and "triton" (asked by name)
 from .api import Engine, beam_search, generate
 from .errors import (CheckpointError, MiniPagedError, NotEnoughMemoryError, OutOfBlocksError,
