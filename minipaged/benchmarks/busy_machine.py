@@ -1,31 +1,33 @@
 """Serving beside a busy core: how much `minipaged.fast`'s engine slows down when one other
-CPU-bound process runs beside it, with OpenMP's threads spinning between parallel regions or
-sleeping.
+CPU-bound process runs beside it, as OpenMP's waiting threads spin or sleep.
 
     python -m minipaged.benchmarks.busy_machine                 # SmolLM2, fp32, 2 threads
-    python -m minipaged.benchmarks.busy_machine --dtype bfloat16
+    python -m minipaged.benchmarks.busy_machine --dtype bfloat16 --ways spinning minipaged passive
 
 torch runs its matrix products, its larger element-wise ops and the C kernel's attention on
 one pool of OpenMP threads. A decode step is a few hundred short parallel regions, and each
-ends at a barrier: the threads that finish first wait there for the last one. By default GNU
-OpenMP waits by spinning (about 300,000 turns of a busy loop) before it sleeps. On a quiet
-machine that saves a wake-up per region; beside a busy process it is a collapse: the thread
-that shares its core with the other process waits for the scheduler's next time slice, while
-the thread that finished keeps its own core busy spinning, so no core is free to take the
-late thread, region after region. With `OMP_WAIT_POLICY=PASSIVE` a waiting thread sleeps at
-once, its core is free, and the late thread (or the other process) moves onto it.
+ends at a barrier: the threads that finish first wait there for the last one. GNU OpenMP waits
+by spinning, 300,000 turns of a busy loop by default, before it sleeps. On a quiet machine that
+saves a wake-up per region. Beside a busy process it is a collapse: the thread that shares its
+core with the other process waits for the scheduler's next time slice, while the thread that
+finished keeps its own core busy spinning, so no core is free to take the late thread, region
+after region. A thread that sleeps at once (`OMP_WAIT_POLICY=PASSIVE`) frees its core, but then
+every region on a quiet machine pays for waking it. `import minipaged` sets a short spin,
+`GOMP_SPINCOUNT=10000`, when torch is not loaded yet and neither variable is set.
 
-`import minipaged` sets `OMP_WAIT_POLICY=PASSIVE` when torch is not loaded yet and the
-variable is unset (OpenMP reads it once, when torch loads it). This benchmark runs each
-measurement in a child process, both ways: "spinning" imports torch first (OpenMP's default
-policy, as before the change, or as a script that imports torch before minipaged gets it),
-"passive" imports minipaged first. Each child serves the same requests in turns, quiet and with
-`python -c "while True: pass"` running beside it; the table gives tokens per second and the
-busy/quiet ratio of each way, the best of its runs (`--repeats` children of each way, in turns,
-each with `--turns` quiet and busy runs).
+Each measurement runs in a child process, started one of these ways (`--ways`):
+
+    spinning    imports torch first: OpenMP's default, as a script that loads torch before
+                minipaged gets it
+    minipaged   imports minipaged first: what it sets
+    passive     OMP_WAIT_POLICY=PASSIVE
+    spin=N      GOMP_SPINCOUNT=N
+
+Each child serves the same requests in turns, quiet and with `python -c "while True: pass"`
+running beside it; the table gives tokens per second and the busy/quiet ratio of each way, the
+best of its runs (`--repeats` children of each way, in turns, each with `--turns` quiet and
+busy runs).
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -48,7 +50,8 @@ from .smollm2 import chat_prompts
 TORCH_FIRST = "import torch  # OpenMP starts with its default policy\n"
 WAYS = {   # how a child starts: OpenMP's wait policy is fixed by whichever loads torch first
     "spinning": TORCH_FIRST,
-    "passive": "import minipaged  # sets OMP_WAIT_POLICY=PASSIVE before torch loads\n",
+    "minipaged": "import minipaged  # sets GOMP_SPINCOUNT before torch loads\n",
+    "passive": TORCH_FIRST,
 }
 CHILD = "import sys\nfrom minipaged.benchmarks.busy_machine import child\nchild(sys.argv[1:])\n"
 SPINNER = "while True: pass"
@@ -104,6 +107,8 @@ def run_child(way: str, dtype_name: str, threads: int, n: int, turns: int,
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if way.startswith("spin="):      # spin that many turns, then sleep (GNU OpenMP's knob)
         env["GOMP_SPINCOUNT"] = way.removeprefix("spin=")
+    elif way == "passive":
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     out = subprocess.run([sys.executable, "-c", WAYS.get(way, TORCH_FIRST) + CHILD, dtype_name,
                           str(threads),
                           str(n), str(turns), "random" if random_model else "smollm2"],
@@ -127,7 +132,7 @@ def parse_way(text: str) -> str:
     """A --ways entry: a name of WAYS, or spin=N with N a whole number."""
     if text in WAYS or text.startswith("spin=") and text[5:].isdigit():
         return text
-    raise argparse.ArgumentTypeError(f"{text!r} is not spinning, passive or spin=N")
+    raise argparse.ArgumentTypeError(f"{text!r} is not spinning, minipaged, passive or spin=N")
 
 
 @cli.program
@@ -142,7 +147,8 @@ def main(argv=None):
     p.add_argument("--turns", type=cli.whole(1), default=2,
                    help="quiet and busy runs in each child, in turns")
     p.add_argument("--ways", nargs="+", type=parse_way, default=list(WAYS),
-                   help="spinning, passive, or spin=N (GOMP_SPINCOUNT=N: N turns, then sleep)")
+                   help="spinning, minipaged, passive, or spin=N (GOMP_SPINCOUNT=N: N turns, then "
+                        "sleep)")
     p.add_argument("--random-model", action="store_true",
                    help="a small random model instead of SmolLM2 (a quick check)")
     args = p.parse_args(argv)
