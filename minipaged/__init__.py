@@ -26,6 +26,16 @@ cache). `exercises/` is the course's build-it-yourself tasks and grader (`python
 minipaged.exercises`).
 """
 
+import os
+import sys
+
+# OpenMP threads that wait between parallel regions spin 10,000 turns, then sleep, instead of
+# GNU OpenMP's 300,000: enough to bridge the gaps inside a step, short enough that a busy core
+# beside the engine does not stall every region (benchmarks/busy_machine.py). OpenMP reads this
+# once, when torch loads it: set here, before any torch import, unless the user chose.
+if "torch" not in sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+    os.environ["GOMP_SPINCOUNT"] = "10000"
+
 from . import cpu_attention, triton_attention  # register backend="cpu" and "triton" (asked by name)
 from .api import Engine, beam_search, generate
 from .errors import (CheckpointError, MiniPagedError, NotEnoughMemoryError, OutOfBlocksError,

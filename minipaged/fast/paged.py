@@ -53,8 +53,8 @@ class PagedStep(NamedTuple):
     block_tables: torch.Tensor    # (n_layers, B, W) int32: each layer's tables, as kept
     tables: torch.Tensor          # (n_layers, B, n) int64: the blocks each row owns, else 0
     positions: torch.Tensor       # (B, T) int64: the new tokens' places in their sequences
-    blocks: torch.Tensor          # (n_layers, B, T) int64: the block each new token goes to
-    offsets: torch.Tensor         # (B, T) int64: its offset in that block (the same in all layers)
+    slot_mapping: torch.Tensor    # (n_layers, B * T) int64: the slot each new token goes to,
+                                  # block * block_size + offset, row after row
 
 
 def plan_step(block_tables, cache_seqlens, num_new_tokens: int, block_size: int,
@@ -63,7 +63,7 @@ def plan_step(block_tables, cache_seqlens, num_new_tokens: int, block_size: int,
     block_tables (n_layers, B, W) int32 and cache_seqlens (B,) int32, both on the CPU, each row
     adding `num_new_tokens` tokens; the step's tensors are put on `device` (default: the CPU).
     Layer l's table is owned_block_table's for that layer, and new token t of row b goes to
-    block blocks[l, b, t] at offset offsets[b, t].
+    slot slot_mapping[l, b * T + t] of the layer's pool seen as (num_blocks * block_size, Hk, D).
 
     The arithmetic is numpy's, on the CPU, as vLLM's model runner prepares a step: it is a
     dozen operations on arrays of a few dozen numbers, where each torch call would cost more
@@ -75,11 +75,12 @@ def plan_step(block_tables, cache_seqlens, num_new_tokens: int, block_size: int,
     n = -(-int(seqlens_k.max()) // block_size)          # blocks the longest row needs
     owned = np.arange(n) * block_size < seqlens_k[:, None]                    # (B, n)
     tables = np.where(owned, block_tables.numpy()[:, :, :n], 0).astype(np.int64)  # (layers, B, n)
-    # write_new_kv's slot mapping, split into block and offset at once
+    # write_new_kv's slot mapping
     positions = before[:, None] + np.arange(num_new_tokens)                   # (B, T)
     blocks = tables[:, np.arange(B)[:, None], positions // block_size]        # (layers, B, T)
+    slot_mapping = (blocks * block_size + positions % block_size).reshape(len(tables), -1)
     return PagedStep(cache_seqlens.to(device), *(torch.from_numpy(a).to(device) for a in (
-        seqlens_k, block_tables.numpy(), tables, positions, blocks, positions % block_size)))
+        seqlens_k, block_tables.numpy(), tables, positions, slot_mapping)))
 
 
 def attend_step(q, k, v, k_cache, v_cache, step: PagedStep, layer: int, name: str):
@@ -91,9 +92,11 @@ def attend_step(q, k, v, k_cache, v_cache, step: PagedStep, layer: int, name: st
         return flash_attn.flash_attn_with_kvcache(
             q, k_cache, v_cache, k=k, v=v, cache_seqlens=step.cache_seqlens,
             block_table=step.block_tables[layer], causal=True)
-    blocks = step.blocks[layer]                                               # (B, T)
-    k_cache[blocks, step.offsets] = k                 # in place, (B, T, Hk, D) slots
-    v_cache[blocks, step.offsets] = v
+    # in place, into the pools seen as one row of slots: a copy along one index (index_copy_)
+    # costs a fraction of an assignment through two index tensors (k_cache[blocks, offsets])
+    slots = step.slot_mapping[layer]                                          # (B * T,)
+    k_cache.view(-1, *k.shape[2:]).index_copy_(0, slots, k.reshape(-1, *k.shape[2:]))
+    v_cache.view(-1, *v.shape[2:]).index_copy_(0, slots, v.reshape(-1, *v.shape[2:]))
     table = step.tables[layer]
     if name == "cpu" and 1 < q.shape[1] <= QUERIES_AS_ROWS and k_cache.dtype in KV_TYPES:
         return attend_queries_as_rows(q, k_cache, v_cache, table, step.seqlens_k)
