@@ -1,0 +1,480 @@
+"""minipaged's engine beside the serving engines a CPU user would pick: vLLM's CPU build and
+llama.cpp's own continuous batching, on SmolLM2-135M-Instruct, requests arriving together.
+
+    python -m minipaged.benchmarks.serving_peers --vllm-python /path/to/venv-vllm/bin/python
+    python -m minipaged.benchmarks.serving_peers --requests 16 --runs 1 --busy   # a busy machine
+
+The engines, each in a process of its own (`peer_worker`), loaded once per dtype and given the
+same jobs in turns, the order rotating from run to run; the next turn starts only once every
+engine's processes are idle (an idle vLLM worker spins its threads for a while after a call,
+and llama.cpp's threads spin-wait), and the CPU the idle engines used during each turn is
+printed, so nothing runs beside the engine being timed:
+
+  * minipaged: `minipaged.fast`'s engine (`FastEngine` on `FusedLlama`, its batch-1 decode step
+    compiled unless --no-compile), stage 5b's token budget of 512 a step;
+  * vLLM's CPU build, when --vllm-python names an interpreter that imports vllm (it pins its own
+    torch and transformers, so it lives in a virtual environment of its own): greedy,
+    `ignore_eos`, no prefix caching, 512 tokens a step, its threads bound to the first
+    --threads cores. It reads a Hugging Face folder, which this program writes once into
+    --cache-dir from the GGUF (transformers dequantizes it);
+  * llama.cpp (when `llama_cpp`, llama-cpp-python, imports): its C API, as `llama-server
+    --parallel N` serves: every request a sequence of one unified KV cache, and each step one
+    `llama_batch` of every running sequence's next token and prompt tokens in chunks, 512 tokens
+    at most; the F32 file against float32, F16 against bfloat16 (its own quantizer's copies).
+
+The work: --requests N ShareGPT-like requests (stage 4's `workloads.synthetic`: geometric
+lengths with the vLLM paper's ShareGPT means, 161.31 prompt and 337.99 output tokens, divided
+by --scale; random token ids as prompts, the same as `benchmarks.serving`), every request
+generating exactly its drawn length, greedy; tokens/s = all generated tokens over the wall
+time, prefill included. Batch 1: one prompt's decode rate, (--new-tokens - 1) tokens over the
+time a run of --new-tokens takes beyond a run of one token.
+
+Each of --runs rows is printed with the load average before it and the CPU other programs used
+during it, with the ratios minipaged / vLLM and minipaged / llama.cpp. The greedy tokens are
+compared (requests equal from first to last token, and tokens before the first difference).
+--busy runs every job again with one more CPU-bound process beside the engine: a Python busy
+loop pinned to the last of the --threads cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from .. import cli
+from ..api import generate
+from ..errors import PeerError
+from ..fast import FastEngine, FusedLlama, compile_decode
+from ..formats import load_model, packaged_model_path
+from ..formats.atomic import write_file
+from . import peer_worker
+from .serving import sharegpt_like_trace
+from .smollm2 import LLAMA_CPP_TYPES, cache_folder, llama_cpp, llama_cpp_file
+
+BUDGET = 512                  # tokens a step may run: max_num_batched_tokens, llama.cpp's n_batch
+ENGINES = ("minipaged", "vLLM", "llama.cpp")
+VOCAB = 49152                 # SmolLM2's vocabulary: the prompts' random ids lie below it
+
+
+# -- the engines, each in its worker process --------------------------------------------------------
+def minipaged_engine(dtype: str, threads: int, compile: bool):
+    torch.set_num_threads(threads)
+    fast = FusedLlama(load_model(packaged_model_path("smollm2"), dtype=getattr(torch, dtype)))
+    if compile:
+        compile_decode(fast)
+
+    def run(requests):
+        prompts, lengths = zip(*requests)
+        return generate(fast, list(prompts), list(lengths), cache="paged", stop_tokens=[],
+                        engine_class=FastEngine, max_num_batched_tokens=BUDGET,
+                        max_seq_len=max(len(p) + n for p, n in requests))
+    return run, "minipaged.fast, FastEngine" + ("" if compile else ", not compiled")
+
+
+class LlamaCppBatched:
+    """llama.cpp's continuous batching through its C API: one sequence id per request in a
+    unified KV cache (`kv_unified`), and each step one `llama_batch` holding every decoding
+    sequence's last token first, then prompt tokens in order up to `budget` tokens (a long
+    prompt is fed in chunks over several steps). The greedy pick is numpy's argmax over the
+    logits llama.cpp returns, one row per sequence that needs a token."""
+
+    def __init__(self, path: str, threads: int, n_seq_max: int, n_ctx: int, budget: int = BUDGET):
+        llama_cpp.llama_backend_init()
+        self.model = llama_cpp.llama_model_load_from_file(
+            path.encode(), llama_cpp.llama_model_default_params())
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, budget, budget
+        params.n_seq_max, params.kv_unified = n_seq_max, True
+        params.n_threads = params.n_threads_batch = threads
+        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
+        if not self.model or not self.ctx:
+            raise PeerError(f"llama.cpp could not load {path} with {n_seq_max} sequences")
+        self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.batch = llama_cpp.llama_batch_init(budget, 0, 1)
+        self.budget = budget
+
+    def add(self, token: int, pos: int, seq: int, wants_logits: bool) -> None:
+        b, i = self.batch, self.batch.n_tokens
+        b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0] = token, pos, 1, seq
+        b.logits[i] = wants_logits
+        b.n_tokens = i + 1
+
+    def run(self, requests):
+        memory = llama_cpp.llama_get_memory(self.ctx)
+        llama_cpp.llama_memory_clear(memory, True)
+        fed = [0] * len(requests)                       # prompt tokens in the cache so far
+        out = [[] for _ in requests]
+        running = list(range(len(requests)))
+        while running:
+            self.batch.n_tokens = 0
+            rows = []                                   # the sequence of each logits row
+            for i in running:
+                if out[i]:                              # decoding: its last token goes in
+                    self.add(out[i][-1], len(requests[i][0]) + len(out[i]) - 1, i, True)
+                    rows.append(i)
+            for i in running:                           # prompts, in chunks, within the budget
+                prompt = requests[i][0]
+                take = min(len(prompt) - fed[i], self.budget - self.batch.n_tokens)
+                for pos in range(fed[i], fed[i] + max(take, 0)):
+                    self.add(prompt[pos], pos, i, pos == len(prompt) - 1)
+                fed[i] += max(take, 0)
+                if take > 0 and fed[i] == len(prompt):
+                    rows.append(i)
+            if llama_cpp.llama_decode(self.ctx, self.batch) != 0:
+                raise PeerError("llama.cpp's llama_decode failed (its KV cache is full?)")
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.ctx),
+                                           shape=(len(rows), self.vocab))      # (rows, vocab)
+            for i, token in zip(rows, logits.argmax(axis=1).tolist()):
+                out[i].append(token)
+            for i in [i for i in running if len(out[i]) == requests[i][1]]:
+                running.remove(i)
+                llama_cpp.llama_memory_seq_rm(memory, i, -1, -1)     # its cells go back
+        return out
+
+
+def llama_cpp_engine(path: str, threads: int, n_seq_max: int, n_ctx: int):
+    return LlamaCppBatched(path, threads, n_seq_max, n_ctx).run, \
+        f"llama-cpp-python {llama_cpp.__version__}, {Path(path).name}"
+
+
+def work():
+    """A worker's main: `python -c '...work()' ENGINE JSON_OPTIONS` (see `Worker`)."""
+    say = peer_worker.reply_channel()
+    make = {"minipaged": minipaged_engine, "llama.cpp": llama_cpp_engine}[sys.argv[1]]
+    peer_worker.serve_jobs(say, *make(**json.loads(sys.argv[2])))
+
+
+# -- the processes ------------------------------------------------------------------------------------
+def cpu_seconds(root: int) -> float:
+    """CPU seconds used so far by process `root` and every process below it, from /proc."""
+    parents, ticks = {}, {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue                                # it ended meanwhile
+            parents[int(name)], ticks[int(name)] = int(fields[1]), int(fields[11]) + int(fields[12])
+    tree = {root}
+    for pid in parents:                                 # walk up from each: below the root?
+        p = pid
+        while p in parents and p not in tree and p > 1:
+            p = parents[p]
+        if p in tree:
+            tree.add(pid)
+    return sum(ticks.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all cores have spent busy since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, *rest = map(int, f.readline().split()[1:])
+    return (user + nice + system + sum(rest[:3])) / os.sysconf("SC_CLK_TCK")
+
+
+class Worker:
+    """One engine in its own process: started, told jobs, stopped; its output in a log file."""
+
+    def __init__(self, name: str, argv: list, log: Path):
+        self.name, self.log = name, log
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=f, text=True, env=env)
+
+    def answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            tail = self.log.read_text(errors="replace").strip().splitlines()[-3:]
+            raise PeerError(f"{self.name} stopped ({' / '.join(tail) or 'no output'}); "
+                            f"its log: {self.log}")
+        return json.loads(line)
+
+    def job(self, requests) -> dict:
+        self.proc.stdin.write(json.dumps({"requests": requests}) + "\n")
+        self.proc.stdin.flush()
+        return self.answer()
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_workers(args, dtype: str, jobs, logs: Path, console) -> dict:
+    """The engines of one dtype, loading side by side; {name: Worker} once all are ready."""
+    longest = max(len(p) + n for job in jobs for p, n in job)
+    most = max(len(job) for job in jobs)
+    here = [sys.executable, "-c", "from minipaged.benchmarks.serving_peers import work; work()"]
+    argv = {"minipaged": [*here, "minipaged", json.dumps(dict(
+        dtype=dtype, threads=args.threads, compile=not args.no_compile))]}
+    if args.vllm_python:
+        argv["vLLM"] = [str(args.vllm_python), peer_worker.__file__, json.dumps(dict(
+            folder=str(hf_folder(args.cache_dir, console)), dtype=dtype, threads=args.threads,
+            max_num_seqs=most, max_model_len=longest, max_num_batched_tokens=BUDGET))]
+    if llama_cpp is not None:
+        path = llama_cpp_file(packaged_model_path("smollm2"),
+                              LLAMA_CPP_TYPES[getattr(torch, dtype)], args.cache_dir, console)
+        n_ctx = max(sum(len(p) + n for p, n in job) for job in jobs) + 256
+        argv["llama.cpp"] = [*here, "llama.cpp", json.dumps(dict(
+            path=str(path), threads=args.threads, n_seq_max=most, n_ctx=n_ctx))]
+    workers = {name: Worker(name, a, logs / f"{name}-{dtype}.log") for name, a in argv.items()}
+    console.print(f"{dtype}: loading {', '.join(workers)} ...")
+    for w in workers.values():
+        w.version = w.answer()["version"]
+    return workers
+
+
+def settle(workers, quiet: float = 0.02, most: float = 20.0) -> None:
+    """Wait until no worker uses more than `quiet` CPU seconds in 0.25 s (or `most` seconds)."""
+    end = time.perf_counter() + most
+    before = sum(w.cpu() for w in workers)
+    while time.perf_counter() < end:
+        time.sleep(0.25)
+        now = sum(w.cpu() for w in workers)
+        if now - before < quiet:
+            return
+        before = now
+
+
+def hf_folder(cache_dir: Path, console) -> Path:
+    """The GGUF as a Hugging Face folder (config.json + model.safetensors) for vLLM, written once:
+    transformers dequantizes the file, and a plain model built from its config takes the
+    weights (transformers will not save a model it loaded as quantized)."""
+    target = cache_dir / "SmolLM2-135M-Instruct-hf"
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM
+
+    gguf = packaged_model_path("smollm2")
+    console.print(f"vLLM: writing {gguf.name} as a Hugging Face folder in {target} ...")
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                              dtype=torch.float32)
+    config = hf.config
+    del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(hf.state_dict())
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".hf-"))
+    plain.save_pretrained(staging)
+    staging.rename(target)
+    return target
+
+
+def busy_loop(core: int) -> subprocess.Popen:
+    """One more CPU-bound process: a Python busy loop pinned to `core`."""
+    return subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{core}}})"
+                             f"\nwhile True: pass"])
+
+
+# -- the run ------------------------------------------------------------------------------------------
+def turn(workers, name, requests, idle: dict) -> dict:
+    """One engine's job, the others idle: its answer. `idle` keeps the most CPU (a share of
+    one core) each other engine used during a turn."""
+    settle(workers.values())
+    others = {n: w for n, w in workers.items() if n != name}
+    before = {n: w.cpu() for n, w in others.items()}
+    answer = workers[name].job(requests)
+    for n, w in others.items():
+        idle[n] = max(idle.get(n, 0.0), (w.cpu() - before[n]) / answer["seconds"])
+    return answer
+
+
+def measure(workers, jobs, order, idle: dict) -> dict:
+    """{job name: {engine: (tokens/s, tokens)}}, each job run by every engine in `order`."""
+    results = defaultdict(dict)
+    for job, requests in jobs.items():
+        for name in order:
+            answer = turn(workers, name, requests, idle)
+            made = [len(t) for t in answer["tokens"]]
+            if made != [n for _, n in requests]:
+                raise PeerError(f"{name} returned {sum(made)} tokens for {job}, not "
+                                f"{sum(n for _, n in requests)}")
+            if job == "batch 1":               # decode rate: n tokens beyond a run of one
+                (prompt, n), = requests
+                one = turn(workers, name, [[prompt, 1]], idle)
+                rate = (n - 1) / (answer["seconds"] - one["seconds"])
+            else:
+                rate = sum(made) / answer["seconds"]
+            results[job][name] = (rate, answer["tokens"])
+    return results
+
+
+def agreement(a, b) -> tuple[int, int, int]:
+    """Requests whose tokens are all equal, tokens before each request's first difference, and
+    all tokens."""
+    same = before = 0
+    for x, y in zip(a, b):
+        same += x == y
+        before += next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+    return same, before, sum(map(len, a))
+
+
+def ratio(rates, a, b) -> str:
+    return f"{rates[a] / rates[b]:.2f}x" if a in rates and b in rates else "-"
+
+
+@cli.program
+def main(argv=None):
+    p = cli.ArgumentParser(prog="python -m minipaged.benchmarks.serving_peers",
+                           description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=cli.whole(1, 256), nargs="+", default=[16, 64],
+                   help="requests arriving together, one workload per number (default 16 64)")
+    p.add_argument("--scale", type=cli.number(at_least=1), default=4.0,
+                   help="ShareGPT's mean lengths divided by this (default 4: 40 prompt, "
+                        "85 output tokens on average, at most 512 together)")
+    p.add_argument("--new-tokens", type=cli.whole(2), default=64,
+                   help="batch 1: tokens decoded (default 64)")
+    p.add_argument("--no-batch-1", action="store_true", help="leave the batch-1 decode out")
+    p.add_argument("--runs", type=cli.whole(1), default=3)
+    p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"],
+                   default=["float32", "bfloat16"])
+    p.add_argument("--threads", type=cli.whole(1, os.cpu_count()), default=os.cpu_count(),
+                   help="threads of every engine, on cores 0 to N-1 (default: one per core)")
+    p.add_argument("--vllm-python", type=vllm_python, metavar="PATH",
+                   help="a Python that imports vllm (its own virtual environment)")
+    p.add_argument("--busy", action="store_true",
+                   help="run every job again beside a Python busy loop on the last core")
+    p.add_argument("--no-compile", action="store_true", help="run minipaged.fast eager")
+    p.add_argument("--cache-dir", type=cache_folder,
+                   default=Path.home() / ".cache" / "minipaged" / "llama_cpp",
+                   help="where llama.cpp's and vLLM's copies of the model are kept")
+    p.add_argument("--json", type=cli.output_file, metavar="FILE",
+                   help="also write every rate and every engine's tokens to FILE")
+    args = p.parse_args(argv)
+    cli.check(p, "--cache-dir", cache_folder, args.cache_dir)
+    console = Console()
+    jobs = {}
+    for k in args.requests:
+        trace, _ = sharegpt_like_trace(k, scale=args.scale, vocab=VOCAB, seed=0)
+        jobs[f"{k} requests"] = [[prompt, n] for prompt, n in trace]
+    if not args.no_batch_1:
+        first = next(iter(jobs.values()))[0][0]
+        jobs = {"batch 1": [[first, args.new_tokens]], **jobs}
+    if llama_cpp is None:
+        console.print("llama.cpp: not importable here (pip install llama-cpp-python): left out")
+    if args.vllm_python is None:
+        console.print("vLLM: not run (--vllm-python names a Python that imports vllm)")
+    logs = Path(tempfile.mkdtemp(prefix="minipaged-serving-peers-"))
+    rows, tokens, idle, versions = [], {}, {}, {}
+    for dtype in args.dtypes:
+        workers = start_workers(args, dtype, list(jobs.values()), logs, console)
+        versions.update({name: w.version for name, w in workers.items()})
+        try:
+            for w in workers.values():                      # not timed: a short run of each job
+                for requests in jobs.values():
+                    w.job([[prompt, 2] for prompt, _ in requests])
+            for run in range(args.runs):
+                order = list(workers)[run % len(workers):] + list(workers)[:run % len(workers)]
+                for busy in [False, True] if args.busy else [False]:
+                    settle(workers.values())
+                    load = os.getloadavg()[0]
+                    start, machine, ours = time.perf_counter(), machine_busy_seconds(), \
+                        cpu_seconds(os.getpid())
+                    loop = busy_loop(args.threads - 1) if busy else None
+                    try:
+                        results = measure(workers, jobs, order, idle)
+                    finally:
+                        if loop:
+                            loop.kill()
+                            loop.wait()
+                    others = (machine_busy_seconds() - machine - cpu_seconds(os.getpid())
+                              + ours) / (time.perf_counter() - start)
+                    for job, by_engine in results.items():
+                        rows.append(dict(run=run + 1, dtype=dtype, job=job, busy=busy, load=load,
+                                         others=others,
+                                         rates={n: r for n, (r, _) in by_engine.items()}))
+                        if run == 0 and not busy:
+                            tokens[dtype, job] = {n: t for n, (_, t) in by_engine.items()}
+                    console.print(f"{dtype} run {run + 1}{' (busy)' if busy else ''} done")
+        finally:
+            for w in workers.values():
+                w.stop()
+    report(console, rows, tokens, idle, versions, args)
+    if args.json:
+        data = {"rows": rows, "tokens": {f"{d}, {j}": t for (d, j), t in tokens.items()}}
+        write_file(args.json, lambda path: path.write_text(json.dumps(data)))
+    console.print(f"worker logs: {logs}")
+
+
+def vllm_python(text) -> Path:
+    """--vllm-python: an interpreter that imports vllm (checked by running it)."""
+    try:
+        r = subprocess.run([text, "-c", "import vllm"], capture_output=True, text=True,
+                           timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise argparse.ArgumentTypeError(f"cannot run {text}: {e}") from None
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise argparse.ArgumentTypeError(f"{text} cannot import vllm ({last})")
+    return Path(text)
+
+
+def report(console, rows, tokens, idle, versions, args) -> None:
+    present = [e for e in ENGINES if any(e in r["rates"] for r in rows)]
+    table = Table(title=f"tokens/s, SmolLM2-135M-Instruct, {args.threads} threads, greedy; "
+                        f"ShareGPT-like lengths / {args.scale:g}, requests arriving together")
+    for col in ("run", "dtype", "job", "load", "others", *present, "mp / vLLM",
+                "mp / llama.cpp"):
+        table.add_column(col, justify="left" if col in ("dtype", "job") else "right")
+    for r in rows:
+        table.add_row(str(r["run"]), r["dtype"], r["job"] + (", busy" if r["busy"] else ""),
+                      f"{r['load']:.2f}", f"{r['others']:.2f}",
+                      *(f"{r['rates'][e]:.1f}" if e in r["rates"] else "-" for e in present),
+                      ratio(r["rates"], "minipaged", "vLLM"),
+                      ratio(r["rates"], "minipaged", "llama.cpp"))
+    console.print(table)
+    console.print("load: the 1-minute load average before the run; others: cores' worth of CPU "
+                  "that processes other than this benchmark's used during the run; mp: minipaged")
+    for name, version in versions.items():
+        console.print(f"{name}: {version}; while it was idle it used at most "
+                      f"{idle.get(name, 0):.1%} of a core during another engine's turn")
+    groups = defaultdict(list)
+    for r in rows:
+        groups[r["dtype"], r["job"], r["busy"]].append(r["rates"])
+    for (dtype, job, busy), rates in groups.items():
+        for peer in ("vLLM", "llama.cpp"):
+            ratios = [x["minipaged"] / x[peer] for x in rates if peer in x]
+            if ratios:
+                console.print(f"{dtype}, {job}{', busy' if busy else ''}: minipaged / {peer} "
+                              f"{min(ratios):.2f}-{max(ratios):.2f}x over {len(ratios)} run(s), "
+                              f"median {statistics.median(ratios):.2f}x")
+    if args.busy:
+        quiet = {(r["run"], r["dtype"], r["job"]): r["rates"] for r in rows if not r["busy"]}
+        for r in (r for r in rows if r["busy"]):
+            base = quiet[r["run"], r["dtype"], r["job"]]
+            console.print(f"busy / quiet, run {r['run']}, {r['dtype']}, {r['job']}: " + ", ".join(
+                f"{e} {r['rates'][e] / base[e]:.2f}x" for e in present if e in r["rates"]))
+    for (dtype, job), by_engine in tokens.items():
+        for peer in ("vLLM", "llama.cpp"):
+            if peer in by_engine:
+                same, before, total = agreement(by_engine["minipaged"], by_engine[peer])
+                console.print(f"greedy tokens, {dtype}, {job}: minipaged and {peer} agree on "
+                              f"{same} of {len(by_engine[peer])} requests ({before} of {total} "
+                              f"tokens before the first difference)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
