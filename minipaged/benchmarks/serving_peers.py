@@ -267,7 +267,10 @@ def hf_folder(cache_dir: Path, console) -> Path:
     if (target / "config.json").exists():
         return target
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     gguf = packaged_model_path("smollm2")
     console.print(f"vLLM: writing {gguf.name} as a Hugging Face folder in {target} ...")
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
@@ -320,6 +323,25 @@ def measure(workers, jobs, order, idle: dict) -> dict:
                 rate = sum(made) / answer["seconds"]
             results[job][name] = (rate, answer["tokens"])
     return results
+
+
+def one_pass(workers, jobs, order, idle, busy_core=None):
+    """Every job on every engine, in `order`, beside a busy loop on `busy_core` if one is given:
+    the results, the load average before, and the cores' worth of CPU that processes other
+    than this program and its children used meanwhile."""
+    settle(workers.values())
+    load = os.getloadavg()[0]
+    start, machine, ours = time.perf_counter(), machine_busy_seconds(), cpu_seconds(os.getpid())
+    loop = busy_loop(busy_core) if busy_core is not None else None
+    try:
+        results = measure(workers, jobs, order, idle)
+        others = (machine_busy_seconds() - machine - cpu_seconds(os.getpid()) + ours) / \
+            (time.perf_counter() - start)
+    finally:
+        if loop:
+            loop.kill()
+            loop.wait()
+    return results, load, others
 
 
 def agreement(a, b) -> tuple[int, int, int]:
@@ -389,26 +411,19 @@ def main(argv=None):
             for run in range(args.runs):
                 order = list(workers)[run % len(workers):] + list(workers)[:run % len(workers)]
                 for busy in [False, True] if args.busy else [False]:
-                    settle(workers.values())
-                    load = os.getloadavg()[0]
-                    start, machine, ours = time.perf_counter(), machine_busy_seconds(), \
-                        cpu_seconds(os.getpid())
-                    loop = busy_loop(args.threads - 1) if busy else None
-                    try:
-                        results = measure(workers, jobs, order, idle)
-                    finally:
-                        if loop:
-                            loop.kill()
-                            loop.wait()
-                    others = (machine_busy_seconds() - machine - cpu_seconds(os.getpid())
-                              + ours) / (time.perf_counter() - start)
+                    results, load, others = one_pass(workers, jobs, order, idle,
+                                                     args.threads - 1 if busy else None)
                     for job, by_engine in results.items():
                         rows.append(dict(run=run + 1, dtype=dtype, job=job, busy=busy, load=load,
                                          others=others,
                                          rates={n: r for n, (r, _) in by_engine.items()}))
                         if run == 0 and not busy:
                             tokens[dtype, job] = {n: t for n, (_, t) in by_engine.items()}
-                    console.print(f"{dtype} run {run + 1}{' (busy)' if busy else ''} done")
+                    console.print(f"{dtype} run {run + 1}{', busy' if busy else ''}: load {load:.2f}, "
+                                  f"others {others:.2f}; " + "; ".join(
+                                      f"{job}: " + ", ".join(f"{n} {r:.1f}" for n, (r, _) in
+                                                             by_engine.items())
+                                      for job, by_engine in results.items()))
         finally:
             for w in workers.values():
                 w.stop()
