@@ -69,11 +69,11 @@ ENGINES = ("minipaged", "vLLM", "llama.cpp")
 VOCAB = 49152                 # SmolLM2's vocabulary: the prompts' random ids lie below it
 
 
-# -- the engines, each in its worker process --------------------------------------------------------
-def minipaged_engine(dtype: str, threads: int, compile: bool):
+# -- the engines, each in its worker process ------------------------------------------------------
+def minipaged_engine(dtype: str, threads: int, compiled: bool):
     torch.set_num_threads(threads)
     fast = FusedLlama(load_model(packaged_model_path("smollm2"), dtype=getattr(torch, dtype)))
-    if compile:
+    if compiled:
         compile_decode(fast)
 
     def run(requests):
@@ -81,7 +81,7 @@ def minipaged_engine(dtype: str, threads: int, compile: bool):
         return generate(fast, list(prompts), list(lengths), cache="paged", stop_tokens=[],
                         engine_class=FastEngine, max_num_batched_tokens=BUDGET,
                         max_seq_len=max(len(p) + n for p, n in requests))
-    return run, "minipaged.fast, FastEngine" + ("" if compile else ", not compiled")
+    return run, "minipaged.fast, FastEngine" + ("" if compiled else ", not compiled")
 
 
 class LlamaCppBatched:
@@ -157,7 +157,7 @@ def work():
     peer_worker.serve_jobs(say, *make(**json.loads(sys.argv[2])))
 
 
-# -- the processes ------------------------------------------------------------------------------------
+# -- the processes --------------------------------------------------------------------------------
 def cpu_seconds(root: int) -> float:
     """CPU seconds used so far by process `root` and every process below it, from /proc."""
     parents, ticks = {}, {}
@@ -190,9 +190,10 @@ class Worker:
     """One engine in its own process: started, told jobs, stopped; its output in a log file."""
 
     def __init__(self, name: str, argv: list, log: Path):
-        self.name, self.log = name, log
+        self.name, self.log, self.version = name, log, None
+        here = [str(Path(__file__).resolve().parents[2])]          # this minipaged, first
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
+            here + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
         with open(log, "w") as f:
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=f, text=True, env=env)
@@ -229,7 +230,7 @@ def start_workers(args, dtype: str, jobs, logs: Path, console) -> dict:
     most = max(len(job) for job in jobs)
     here = [sys.executable, "-c", "from minipaged.benchmarks.serving_peers import work; work()"]
     argv = {"minipaged": [*here, "minipaged", json.dumps(dict(
-        dtype=dtype, threads=args.threads, compile=not args.no_compile))]}
+        dtype=dtype, threads=args.threads, compiled=not args.no_compile))]}
     if args.vllm_python:
         argv["vLLM"] = [str(args.vllm_python), peer_worker.__file__, json.dumps(dict(
             folder=str(hf_folder(args.cache_dir, console)), dtype=dtype, threads=args.threads,
@@ -242,8 +243,13 @@ def start_workers(args, dtype: str, jobs, logs: Path, console) -> dict:
             path=str(path), threads=args.threads, n_seq_max=most, n_ctx=n_ctx))]
     workers = {name: Worker(name, a, logs / f"{name}-{dtype}.log") for name, a in argv.items()}
     console.print(f"{dtype}: loading {', '.join(workers)} ...")
-    for w in workers.values():
-        w.version = w.answer()["version"]
+    try:
+        for w in workers.values():
+            w.version = w.answer()["version"]
+    except BaseException:
+        for w in workers.values():
+            w.stop()
+        raise
     return workers
 
 
@@ -292,7 +298,7 @@ def busy_loop(core: int) -> subprocess.Popen:
                              f"\nwhile True: pass"])
 
 
-# -- the run ------------------------------------------------------------------------------------------
+# -- the run --------------------------------------------------------------------------------------
 def turn(workers, name, requests, idle: dict) -> dict:
     """One engine's job, the others idle: its answer. `idle` keeps the most CPU (a share of
     one core) each other engine used during a turn."""
@@ -354,6 +360,17 @@ def agreement(a, b) -> tuple[int, int, int]:
     return same, before, sum(map(len, a))
 
 
+def agreement_lines(dtype, job, by_engine) -> list[str]:
+    lines = []
+    for peer in ("vLLM", "llama.cpp"):
+        if peer in by_engine:
+            same, before, total = agreement(by_engine["minipaged"], by_engine[peer])
+            lines.append(f"greedy tokens, {dtype}, {job}: minipaged and {peer} agree on {same} "
+                         f"of {len(by_engine[peer])} requests ({before} of {total} tokens before "
+                         f"the first difference)")
+    return lines
+
+
 def ratio(rates, a, b) -> str:
     return f"{rates[a] / rates[b]:.2f}x" if a in rates and b in rates else "-"
 
@@ -405,33 +422,42 @@ def main(argv=None):
         workers = start_workers(args, dtype, list(jobs.values()), logs, console)
         versions.update({name: w.version for name, w in workers.items()})
         try:
-            for w in workers.values():                      # not timed: a short run of each job
-                for requests in jobs.values():
-                    w.job([[prompt, 2] for prompt, _ in requests])
-            for run in range(args.runs):
-                order = list(workers)[run % len(workers):] + list(workers)[:run % len(workers)]
-                for busy in [False, True] if args.busy else [False]:
-                    results, load, others = one_pass(workers, jobs, order, idle,
-                                                     args.threads - 1 if busy else None)
-                    for job, by_engine in results.items():
-                        rows.append(dict(run=run + 1, dtype=dtype, job=job, busy=busy, load=load,
-                                         others=others,
-                                         rates={n: r for n, (r, _) in by_engine.items()}))
-                        if run == 0 and not busy:
-                            tokens[dtype, job] = {n: t for n, (_, t) in by_engine.items()}
-                    console.print(f"{dtype} run {run + 1}{', busy' if busy else ''}: load {load:.2f}, "
-                                  f"others {others:.2f}; " + "; ".join(
-                                      f"{job}: " + ", ".join(f"{n} {r:.1f}" for n, (r, _) in
-                                                             by_engine.items())
-                                      for job, by_engine in results.items()))
+            runs(args, dtype, workers, jobs, console, rows, tokens, idle)
         finally:
             for w in workers.values():
                 w.stop()
-    report(console, rows, tokens, idle, versions, args)
+    report(console, rows, idle, versions, args)
     if args.json:
         data = {"rows": rows, "tokens": {f"{d}, {j}": t for (d, j), t in tokens.items()}}
         write_file(args.json, lambda path: path.write_text(json.dumps(data)))
     console.print(f"worker logs: {logs}")
+
+
+def runs(args, dtype, workers, jobs, console, rows, tokens, idle) -> None:
+    """--runs passes over every job (each beside a busy loop too, with --busy) on the loaded
+    engines, the engines' order rotating; each pass's rates printed as it ends, and added to
+    `rows`; the first quiet pass's tokens kept in `tokens` and compared."""
+    for w in workers.values():                          # not timed: a short run of each job
+        for requests in jobs.values():
+            w.job([[prompt, 2] for prompt, _ in requests])
+    names = list(workers)
+    for run in range(args.runs):
+        order = names[run % len(names):] + names[:run % len(names)]
+        for busy in [False, True] if args.busy else [False]:
+            results, load, others = one_pass(workers, jobs, order, idle,
+                                             args.threads - 1 if busy else None)
+            console.print(f"{dtype} run {run + 1}{', busy' if busy else ''}: load {load:.2f}, "
+                          f"others {others:.2f}; " + "; ".join(
+                              f"{job}: " + ", ".join(f"{n} {r:.1f}" for n, (r, _) in
+                                                     by_engine.items())
+                              for job, by_engine in results.items()))
+            for job, by_engine in results.items():
+                rows.append(dict(run=run + 1, dtype=dtype, job=job, busy=busy, load=load,
+                                 others=others, rates={n: r for n, (r, _) in by_engine.items()}))
+                if run == 0 and not busy:
+                    tokens[dtype, job] = {n: t for n, (_, t) in by_engine.items()}
+                    for line in agreement_lines(dtype, job, tokens[dtype, job]):
+                        console.print(line)
 
 
 def vllm_python(text) -> Path:
@@ -447,7 +473,7 @@ def vllm_python(text) -> Path:
     return Path(text)
 
 
-def report(console, rows, tokens, idle, versions, args) -> None:
+def report(console, rows, idle, versions, args) -> None:
     present = [e for e in ENGINES if any(e in r["rates"] for r in rows)]
     table = Table(title=f"tokens/s, SmolLM2-135M-Instruct, {args.threads} threads, greedy; "
                         f"ShareGPT-like lengths / {args.scale:g}, requests arriving together")
@@ -482,13 +508,6 @@ def report(console, rows, tokens, idle, versions, args) -> None:
             base = quiet[r["run"], r["dtype"], r["job"]]
             console.print(f"busy / quiet, run {r['run']}, {r['dtype']}, {r['job']}: " + ", ".join(
                 f"{e} {r['rates'][e] / base[e]:.2f}x" for e in present if e in r["rates"]))
-    for (dtype, job), by_engine in tokens.items():
-        for peer in ("vLLM", "llama.cpp"):
-            if peer in by_engine:
-                same, before, total = agreement(by_engine["minipaged"], by_engine[peer])
-                console.print(f"greedy tokens, {dtype}, {job}: minipaged and {peer} agree on "
-                              f"{same} of {len(by_engine[peer])} requests ({before} of {total} "
-                              f"tokens before the first difference)")
 
 
 if __name__ == "__main__":
