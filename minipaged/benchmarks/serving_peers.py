@@ -2,13 +2,14 @@
 llama.cpp's own continuous batching, on SmolLM2-135M-Instruct, requests arriving together.
 
     python -m minipaged.benchmarks.serving_peers --vllm-python /path/to/venv-vllm/bin/python
-    python -m minipaged.benchmarks.serving_peers --requests 16 --runs 1 --busy   # a busy machine
+    python -m minipaged.benchmarks.serving_peers --vllm-python ... --requests 16 --runs 1 --busy
 
-The engines, each in a process of its own (`peer_worker`), loaded once per dtype and given the
-same jobs in turns, the order rotating from run to run; the next turn starts only once every
-engine's processes are idle (an idle vLLM worker spins its threads for a while after a call,
-and llama.cpp's threads spin-wait), and the CPU the idle engines used during each turn is
-printed, so nothing runs beside the engine being timed:
+(the second beside a busy loop too). The engines run each in a process of its own (`work`
+here for minipaged, `peer_worker` for the peers), loaded once per dtype and given the same jobs
+in turns, the order rotating from run to run; the next turn starts only once every engine's
+processes are idle (an idle vLLM worker spins its threads for a while after a call, and
+llama.cpp's threads spin-wait), and the CPU the idle engines used during each turn is printed,
+so nothing runs beside the engine being timed:
 
   * minipaged: `minipaged.fast`'s engine (`FastEngine` on `FusedLlama`, its batch-1 decode step
     compiled unless --no-compile), stage 5b's token budget of 512 a step;
@@ -49,7 +50,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -64,7 +64,7 @@ from . import peer_worker
 from .serving import sharegpt_like_trace
 from .smollm2 import LLAMA_CPP_TYPES, cache_folder, llama_cpp, llama_cpp_file
 
-BUDGET = 512                  # tokens a step may run: max_num_batched_tokens, llama.cpp's n_batch
+BUDGET = peer_worker.BUDGET   # tokens a step may run: max_num_batched_tokens, llama.cpp's n_batch
 ENGINES = ("minipaged", "vLLM", "llama.cpp")
 VOCAB = 49152                 # SmolLM2's vocabulary: the prompts' random ids lie below it
 
@@ -84,77 +84,10 @@ def minipaged_engine(dtype: str, threads: int, compiled: bool):
     return run, "minipaged.fast, FastEngine" + ("" if compiled else ", not compiled")
 
 
-class LlamaCppBatched:
-    """llama.cpp's continuous batching through its C API: one sequence id per request in a
-    unified KV cache (`kv_unified`), and each step one `llama_batch` holding every decoding
-    sequence's last token first, then prompt tokens in order up to `budget` tokens (a long
-    prompt is fed in chunks over several steps). The greedy pick is numpy's argmax over the
-    logits llama.cpp returns, one row per sequence that needs a token."""
-
-    def __init__(self, path: str, threads: int, n_seq_max: int, n_ctx: int, budget: int = BUDGET):
-        llama_cpp.llama_backend_init()
-        self.model = llama_cpp.llama_model_load_from_file(
-            path.encode(), llama_cpp.llama_model_default_params())
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, budget, budget
-        params.n_seq_max, params.kv_unified = n_seq_max, True
-        params.n_threads = params.n_threads_batch = threads
-        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
-        if not self.model or not self.ctx:
-            raise PeerError(f"llama.cpp could not load {path} with {n_seq_max} sequences")
-        self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
-        self.batch = llama_cpp.llama_batch_init(budget, 0, 1)
-        self.budget = budget
-
-    def add(self, token: int, pos: int, seq: int, wants_logits: bool) -> None:
-        b, i = self.batch, self.batch.n_tokens
-        b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0] = token, pos, 1, seq
-        b.logits[i] = wants_logits
-        b.n_tokens = i + 1
-
-    def run(self, requests):
-        memory = llama_cpp.llama_get_memory(self.ctx)
-        llama_cpp.llama_memory_clear(memory, True)
-        fed = [0] * len(requests)                       # prompt tokens in the cache so far
-        out = [[] for _ in requests]
-        running = list(range(len(requests)))
-        while running:
-            self.batch.n_tokens = 0
-            rows = []                                   # the sequence of each logits row
-            for i in running:
-                if out[i]:                              # decoding: its last token goes in
-                    self.add(out[i][-1], len(requests[i][0]) + len(out[i]) - 1, i, True)
-                    rows.append(i)
-            for i in running:                           # prompts, in chunks, within the budget
-                prompt = requests[i][0]
-                take = min(len(prompt) - fed[i], self.budget - self.batch.n_tokens)
-                for pos in range(fed[i], fed[i] + max(take, 0)):
-                    self.add(prompt[pos], pos, i, pos == len(prompt) - 1)
-                fed[i] += max(take, 0)
-                if take > 0 and fed[i] == len(prompt):
-                    rows.append(i)
-            if llama_cpp.llama_decode(self.ctx, self.batch) != 0:
-                raise PeerError("llama.cpp's llama_decode failed (its KV cache is full?)")
-            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.ctx),
-                                           shape=(len(rows), self.vocab))      # (rows, vocab)
-            for i, token in zip(rows, logits.argmax(axis=1).tolist()):
-                out[i].append(token)
-            for i in [i for i in running if len(out[i]) == requests[i][1]]:
-                running.remove(i)
-                llama_cpp.llama_memory_seq_rm(memory, i, -1, -1)     # its cells go back
-        return out
-
-
-def llama_cpp_engine(path: str, threads: int, n_seq_max: int, n_ctx: int):
-    return LlamaCppBatched(path, threads, n_seq_max, n_ctx).run, \
-        f"llama-cpp-python {llama_cpp.__version__}, {Path(path).name}"
-
-
 def work():
-    """A worker's main: `python -c '...work()' ENGINE JSON_OPTIONS` (see `Worker`)."""
+    """minipaged's worker: `python -c '...work()' JSON_OPTIONS` (see `Worker`)."""
     say = peer_worker.reply_channel()
-    make = {"minipaged": minipaged_engine, "llama.cpp": llama_cpp_engine}[sys.argv[1]]
-    peer_worker.serve_jobs(say, *make(**json.loads(sys.argv[2])))
+    peer_worker.serve_jobs(say, *minipaged_engine(**json.loads(sys.argv[1])))
 
 
 # -- the processes --------------------------------------------------------------------------------
@@ -228,18 +161,18 @@ def start_workers(args, dtype: str, jobs, logs: Path, console) -> dict:
     """The engines of one dtype, loading side by side; {name: Worker} once all are ready."""
     longest = max(len(p) + n for job in jobs for p, n in job)
     most = max(len(job) for job in jobs)
-    here = [sys.executable, "-c", "from minipaged.benchmarks.serving_peers import work; work()"]
-    argv = {"minipaged": [*here, "minipaged", json.dumps(dict(
+    argv = {"minipaged": [sys.executable, "-c", "from minipaged.benchmarks.serving_peers import "
+                          "work; work()", json.dumps(dict(
         dtype=dtype, threads=args.threads, compiled=not args.no_compile))]}
     if args.vllm_python:
-        argv["vLLM"] = [str(args.vllm_python), peer_worker.__file__, json.dumps(dict(
+        argv["vLLM"] = [str(args.vllm_python), peer_worker.__file__, "vLLM", json.dumps(dict(
             folder=str(hf_folder(args.cache_dir, console)), dtype=dtype, threads=args.threads,
             max_num_seqs=most, max_model_len=longest, max_num_batched_tokens=BUDGET))]
     if llama_cpp is not None:
         path = llama_cpp_file(packaged_model_path("smollm2"),
                               LLAMA_CPP_TYPES[getattr(torch, dtype)], args.cache_dir, console)
         n_ctx = max(sum(len(p) + n for p, n in job) for job in jobs) + 256
-        argv["llama.cpp"] = [*here, "llama.cpp", json.dumps(dict(
+        argv["llama.cpp"] = [sys.executable, peer_worker.__file__, "llama.cpp", json.dumps(dict(
             path=str(path), threads=args.threads, n_seq_max=most, n_ctx=n_ctx))]
     workers = {name: Worker(name, a, logs / f"{name}-{dtype}.log") for name, a in argv.items()}
     console.print(f"{dtype}: loading {', '.join(workers)} ...")
