@@ -9,6 +9,7 @@ import pytest
 import torch
 from cli_probes import ROOT, answered, digest, refused, run_many
 
+from minipaged import generate
 from minipaged.benchmarks.serving import sharegpt_like_trace
 from minipaged.formats import load_model, packaged_model_path
 
@@ -170,12 +171,12 @@ def test_by_default_figures_go_to_a_new_temporary_folder_and_the_run_says_where(
 
 def test_serving_peers_short_run_gives_the_reference_tokens(tmp_path):
     """A short run of the serving comparison: one row per job, and minipaged's greedy tokens (and
-    llama.cpp's, where llama_cpp imports) are the ones the no-cache forward picks, in float64.
-    vLLM needs its own environment and is not run here; the run says so."""
+    llama.cpp's, where llama_cpp imports) are the ones stage 1's contiguous cache picks in
+    float64. vLLM needs its own environment and is not run here; the run says so."""
     out = tmp_path / "peers.json"
     result = run_many("minipaged.benchmarks.serving_peers", [(
         ["--requests", "4", "--scale", "32", "--new-tokens", "4", "--runs", "1", "--dtypes",
-         "float32", "--no-compile", "--cache-dir", tmp_path / "cache", "--json", out], None)],
+         "float32", "--threads", "1", "--no-compile", "--cache-dir", tmp_path / "cache", "--json", out], None)],
         TMPDIR=str(tmp_path))[0]
     answered(result)
     assert "vLLM: not run" in result["stdout"]
@@ -190,13 +191,8 @@ def test_serving_peers_short_run_gives_the_reference_tokens(tmp_path):
     model = load_model(packaged_model_path("smollm2"), dtype=torch.float64)
     tokens = json.loads(out.read_text())["tokens"]
     for job, requests in jobs.items():
-        want = []
-        for prompt, n in requests:
-            seq = list(prompt)
-            with torch.no_grad():
-                for _ in range(n):
-                    seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-            want.append(seq[len(prompt):])
+        want = generate(model, [p for p, _ in requests], [n for _, n in requests],
+                        cache="contiguous", stop_tokens=[])
         for engine in engines:
             assert tokens[f"float32, {job}"][engine] == want, (engine, job)
         assert f"greedy tokens, float32, {job}" in result["stdout"] or engines == {"minipaged"}
