@@ -7,9 +7,9 @@ engine, says it is ready, then answers each job (one JSON line on its standard i
 engine took and the greedy tokens of each request. Everything the engine's libraries print
 goes to standard error, so the replies stay readable.
 
-This file imports the standard library, numpy and the peers only, and is run by path: vLLM's worker runs
-in vLLM's own interpreter (vLLM pins its own torch and transformers, so it lives in a virtual
-environment of its own, without minipaged's requirements), and llama.cpp's needs no torch.
+This file imports the standard library, numpy and the peers only, and is run by path: vLLM's
+worker runs in vLLM's own interpreter (vLLM pins its own torch and transformers, so it lives in
+a virtual environment of its own, without minipaged's requirements); llama.cpp's needs no torch.
 
     python peer_worker.py vLLM|llama.cpp JSON_OPTIONS
 """

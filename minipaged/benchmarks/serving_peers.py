@@ -112,6 +112,17 @@ def cpu_seconds(root: int) -> float:
     return sum(ticks.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
 
 
+def machine() -> str:
+    """The CPU's model name and the matrix instructions it offers, from /proc/cpuinfo."""
+    info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    offered = info.get("flags", "").split()
+    flags = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in offered]
+    return f"{info.get('model name', 'an unnamed CPU')}, {os.cpu_count()} cores " \
+           f"({', '.join(flags) or 'no AVX-512'})"
+
+
 def machine_busy_seconds() -> float:
     """CPU seconds all cores have spent busy since boot (/proc/stat)."""
     with open("/proc/stat") as f:
@@ -345,6 +356,7 @@ def main(argv=None):
     if not args.no_batch_1:
         first = next(iter(jobs.values()))[0][0]
         jobs = {"batch 1": [[first, args.new_tokens]], **jobs}
+    console.print(f"machine: {machine()}; torch {torch.__version__}; {args.threads} threads")
     if llama_cpp is None:
         console.print("llama.cpp: not importable here (pip install llama-cpp-python): left out")
     if args.vllm_python is None:
