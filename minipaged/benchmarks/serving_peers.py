@@ -159,13 +159,17 @@ class Worker:
         return cpu_seconds(self.proc.pid)
 
     def stop(self) -> None:
+        """End of input ends the worker; one still busy after 30 s is told to stop (SIGTERM, so
+        vLLM ends the processes it started), then killed."""
         if self.proc.poll() is None:
             self.proc.stdin.close()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            for end in (self.proc.terminate, self.proc.kill):
+                try:
+                    self.proc.wait(30)
+                    return
+                except subprocess.TimeoutExpired:
+                    end()
+            self.proc.wait()
 
 
 def start_workers(args, dtype: str, jobs, logs: Path, console) -> dict:
@@ -363,14 +367,19 @@ def main(argv=None):
         console.print("vLLM: not run (--vllm-python names a Python that imports vllm)")
     logs = Path(tempfile.mkdtemp(prefix="minipaged-serving-peers-"))
     rows, tokens, idle, versions = [], {}, {}, {}
-    for dtype in args.dtypes:
-        workers = start_workers(args, dtype, list(jobs.values()), logs, console)
-        versions.update({name: w.version for name, w in workers.items()})
-        try:
-            runs(args, dtype, workers, jobs, console, rows, tokens, idle)
-        finally:
-            for w in workers.values():
-                w.stop()
+    try:
+        for dtype in args.dtypes:
+            workers = start_workers(args, dtype, list(jobs.values()), logs, console)
+            versions.update({name: w.version for name, w in workers.items()})
+            try:
+                runs(args, dtype, workers, jobs, console, rows, tokens, idle)
+            finally:
+                for w in workers.values():
+                    w.stop()
+    except KeyboardInterrupt:                   # Ctrl-C: the table of the runs so far
+        console.print("interrupted; the runs that ended:")
+        report(console, rows, idle, versions, args)
+        raise
     report(console, rows, idle, versions, args)
     if args.json:
         data = {"rows": rows, "tokens": {f"{d}, {j}": t for (d, j), t in tokens.items()}}
