@@ -19,10 +19,22 @@ Read the stages in order, each module beside its lesson (`lessons/`) and noteboo
 Around them: `formats/` (checkpoints and tokenizers), `embedded/` (the shipped model's corpus and
 trainer), `chat/` (`python -m minipaged.chat`), `viz/` (the drawings), `benchmarks/`, `fast/`
 (the speed layer). Support modules beside the stages, not needed on a first read: `checks.py`
-(values and requests), `cache_checks.py` (memory, pools, attention calls), `backends.py` (which attention implementation runs), `sizing.py`,
-`cache_queries.py` (what drawings and later stages ask a cache). `exercises/` is the course's
-build-it-yourself tasks and grader (`python -m minipaged.exercises`).
+(values and requests), `cache_checks.py` (memory, pools, attention calls), `backends.py` (which
+attention implementation runs), `rope_scaling.py` (Llama 3.1's longer context), `sampling.py`
+(greedy and top-p), `sizing.py`, `cache_queries.py` (what drawings and later stages ask a
+cache). `exercises/` is the course's build-it-yourself tasks and grader (`python -m
+minipaged.exercises`).
 """
+
+import os
+import sys
+
+# OpenMP threads that wait between parallel regions spin 10,000 turns, then sleep, instead of
+# GNU OpenMP's 300,000: enough to bridge the gaps inside a step, short enough that a busy core
+# beside the engine does not stall every region (benchmarks/busy_machine.py). OpenMP reads this
+# once, when torch loads it: set here, before any torch import, unless the user chose.
+if "torch" not in sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+    os.environ["GOMP_SPINCOUNT"] = "10000"
 
 from . import cpu_attention, triton_attention  # register backend="cpu" and "triton" (asked by name)
 from .api import Engine, beam_search, generate

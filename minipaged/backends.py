@@ -6,14 +6,21 @@
 (stage 3b's "triton" and "cpu"), which run only when asked for by name, or through the speed
 layer (`minipaged.fast`). "auto" is flash-attn's kernel where it can serve the call, else "torch".
 `last_backend` says which one served the last call; the first use of each is logged once.
+`dispatch` wraps the call: it checks the inputs, picks the implementation and hands flash-attn's
+kernel the call as it came. `sdpa` is how torch's own attention runs on each device.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from typing import Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
+
+from .cache_checks import check_attention_inputs, check_implemented
 
 try:  # optional: the CUDA kernel, `pip install flash-attn --no-build-isolation`
     import flash_attn
@@ -57,6 +64,47 @@ def flash_attn_available() -> bool:
     return flash_attn is not None and torch.cuda.is_available()
 
 
+def dispatch(paged_attention: Callable) -> Callable:
+    """Wrap stage 3's `flash_attn_with_kvcache`: check the call's inputs (a sentence for anything
+    flash-attn would refuse), pick the implementation, and hand the call, as it came, to
+    flash-attn's kernel when that is the one; otherwise refuse the options only that kernel
+    implements and run the wrapped function on the call's paged form, its `backend` the name
+    picked."""
+    signature = inspect.signature(paged_attention)
+
+    @functools.wraps(paged_attention)
+    def call(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments                                   # every argument, by name
+        a["cache_seqlens"] = check_attention_inputs(
+            a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"], a["cache_seqlens"],
+            a["cache_batch_idx"], a["block_table"], a["softmax_scale"])
+        name = pick_backend(a.pop("backend"), a["q"], a["k_cache"], a["block_table"])
+        if name == "flash_attn":
+            return flash_attn.flash_attn_with_kvcache(**a)
+        check_implemented(name, **{option: a[option] for option in (
+            "rotary_cos", "rotary_sin", "cache_leftpad", "window_size", "softcap", "alibi_slopes",
+            "return_softmax_lse")})
+        a["block_table"], a["cache_seqlens"] = paged_form(
+            a["q"], a["k_cache"], a["cache_seqlens"], a["cache_batch_idx"], a["block_table"])
+        return paged_attention(**a, backend=name)
+    return call
+
+
+def paged_form(q, k_cache, cache_seqlens, cache_batch_idx, block_table):
+    """(block_table, cache_seqlens) of flash-attn's call in its paged form: a non-paged cache
+    (B_cache, seqlen_cache, Hk, D) is a pool of B_cache blocks of seqlen_cache slots, row b's
+    table the one block cache_batch_idx[b] (or b); no `cache_seqlens` means every row is full."""
+    B = q.shape[0]
+    if block_table is None:
+        block_table = (cache_batch_idx if cache_batch_idx is not None else torch.arange(B))[:, None]
+    if cache_seqlens is None:
+        cache_seqlens = torch.full((B,), block_table.shape[1] * k_cache.shape[1],
+                                   dtype=torch.int32, device=q.device)
+    return block_table, cache_seqlens
+
+
 def pick_backend(backend: str, q, k_cache, block_table, why_auto_not: str | None = None) -> str:
     """The implementation that serves a call with `backend=backend`: "auto" is flash-attn's
     kernel where it can serve the call, else "torch". Raises ValueError, with the reason, for a
@@ -76,6 +124,17 @@ def pick_backend(backend: str, q, k_cache, block_table, why_auto_not: str | None
     last_backend = name
     _announce(name, why_not if backend == "auto" and name == "torch" else why_auto_not, q.is_cuda)
     return name
+
+
+def sdpa(q, k, v, scale, **options):
+    """`F.scaled_dot_product_attention` on (B, H, T, D), grouped-query heads included, in q's
+    dtype; on a CPU bf16 and fp16 are computed in float32, which is faster there and as exact.
+    Stage 1's attention (`kv_cache.attention_over_cache`) runs through it."""
+    dtype = q.dtype
+    if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        q, k, v = q.float(), k.float(), v.float()
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                                          **options).to(dtype)
 
 
 def why_not_flash(q, k_cache, block_table) -> str | None:

@@ -74,13 +74,6 @@ class CacheManager(ManagerQueries):
         self._held = self.num_blocks_held.numpy()
         self._live: set[int] = set()                                 # seq ids that exist now
 
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
-
-    def __contains__(self, seq_id) -> bool:
-        return int(seq_id) in self._live
-
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that `num_tokens` tokens fill: ceil(num_tokens / block_size)."""
         return -(-num_tokens // self.block_size)
@@ -107,12 +100,6 @@ class CacheManager(ManagerQueries):
             self._add_blocks(seqs, held, needed)
         self._lens[rows] += n
         return total
-
-    def blocks_needed(self, seq_ids, num_new_tokens: int) -> int:
-        """New blocks `grow(seq_ids, num_new_tokens)` would take."""
-        rows, n = check_live(self, seq_ids, unique=True), check_count(num_new_tokens)
-        _, held, needed = self._crossing(rows, n)
-        return sum(needed) - sum(held)
 
     def _crossing(self, rows, n):
         """The rows whose last block cannot hold n more: ids, blocks held, blocks needed."""

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cache_checks import check_one
+from .cache_checks import check_live, check_one
+from .checks import check_count
 
 
 class ContiguousQueries:
@@ -30,8 +31,21 @@ class ManagerQueries:
     """For `cache_manager.CacheManager`."""
 
     @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
+
+    def __contains__(self, seq_id) -> bool:
+        return int(seq_id) in self._live
+
+    def blocks_needed(self, seq_ids, num_new_tokens: int) -> int:
+        """New blocks `grow(seq_ids, num_new_tokens)` would take."""
+        rows, n = check_live(self, seq_ids, unique=True), check_count(num_new_tokens)
+        _, held, needed = self._crossing(rows, n)
+        return sum(needed) - sum(held)
 
     def live_seq_ids(self) -> list[int]:
         return sorted(self._live)

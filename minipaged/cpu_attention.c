@@ -45,7 +45,9 @@ void paged_attention_decode(const float *q, const kv_t *k_cache, const kv_t *v_c
                             float scale, float *out, int threads) {
     const int D = HEAD_DIM, G = GROUP;
     const int64_t key_stride = (int64_t)Hk * D;          /* from one slot to the next */
-    #pragma omp parallel for num_threads(threads) schedule(static)
+    /* dynamic: a thread takes the next (row, KV head) when it is done with one, so rows of
+       different lengths, or a thread that another process holds up, leave no one idle */
+    #pragma omp parallel for num_threads(threads) schedule(dynamic)
     for (int work = 0; work < B * Hk; work++) {          /* one (row, KV head) each */
         const int b = work / Hk, kv_head = work % Hk;
         const float *qs = q + ((int64_t)b * Hk + kv_head) * G * D;   /* its G query heads */

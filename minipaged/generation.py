@@ -9,24 +9,7 @@ import torch
 
 from .checks import check_request
 from .kv_cache import ContiguousCache
-
-
-def sample(logits, temperature: float, top_p: float, generator=None) -> int:
-    """One token id from a (vocab,) row of logits: greedy at temperature 0, else top-p."""
-    if temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    probs_sorted, order = torch.sort(probs, descending=True)
-    keep = probs_sorted.cumsum(-1) - probs_sorted <= top_p          # the smallest set reaching top_p
-    probs_sorted = probs_sorted * keep
-    choice = torch.multinomial(probs_sorted / probs_sorted.sum(), 1, generator=generator)
-    return int(order[choice])
-
-
-def row_generator(seed: int, index: int) -> torch.Generator:
-    """A prompt's own seeded stream (modulo 2**64, the seeds torch takes), so its tokens do not
-    depend on which prompts share its batch, nor on when it runs."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + index) % 2**64)
+from .sampling import row_generator, sample   # greedy or top-p, a seeded stream per prompt
 
 
 @torch.inference_mode()
@@ -36,10 +19,9 @@ def generate_static(model, prompts, max_new_tokens, cache=None, temperature: flo
     """Continue each prompt (token ids) as one static batch; return the new tokens in prompt order.
 
     max_new_tokens: an int or one per prompt. cache: any cache (`kv_cache.py`) with a row per
-    prompt; None builds a ContiguousCache. stop_tokens: None is the model's, [] never stops; a
-    stop token ends its sequence unreturned. callback(event, seq_id, token, cache) follows every
-    token (the notebooks draw the cache with it).
-    """
+    prompt; None builds a ContiguousCache. stop_tokens: None is the model's, [] never stops; a stop
+    token ends its sequence unreturned. callback(event, seq_id, token, cache) follows every token
+    (the notebooks draw the cache with it)."""
     max_seq_len = max_seq_len or getattr(cache, "max_seq_len", None) or model.args.max_seq_len
     limits = check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_len)
     stop = set(model.args.stop_tokens if stop_tokens is None else stop_tokens)
@@ -67,14 +49,12 @@ def generate_static(model, prompts, max_new_tokens, cache=None, temperature: flo
         still = []
         for i in live:                              # record the token each row just produced
             t = next_token[i]
-            if t in stop or len(out[i]) >= limits[i]:
+            if t not in stop:
+                out[i].append(t)
+            if t in stop or len(out[i]) == limits[i]:
                 cache.free(i)                       # done: give the cache back at once
-                continue
-            out[i].append(t)
-            if len(out[i]) == limits[i]:
-                cache.free(i)
-                continue
-            still.append(i)
+            else:
+                still.append(i)
         live = still
         if not live:
             break

@@ -18,8 +18,8 @@ memory live in `checks.py` and `cache_checks.py`, not needed on a first read.)
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from .backends import sdpa   # F.scaled_dot_product_attention (on a CPU, in float32)
 from .cache_queries import ContiguousQueries   # what drawings ask: not the idea
 from .cache_checks import check_contiguous, check_row_room, check_rows
 from .checks import check_count
@@ -37,36 +37,17 @@ def attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=True, softmax_scale=
 
     q (B, Sq, Hq, D); k_ctx, v_ctx (B, L, Hk, D), Hq a multiple of Hk (grouped-query attention);
     the newest Sq keys of a row are the queries' own. `causal` aligns the mask bottom-right, as
-    flash-attn does: query i of row b sees key j if j <= i + seqlens_k[b] - Sq.
-    """
+    flash-attn does: query i of row b sees key j if j <= i + seqlens_k[b] - Sq."""
     B, Sq, Hq, D = q.shape
     L = k_ctx.shape[1]
     scale = softmax_scale if softmax_scale is not None else D ** -0.5
     q, k_ctx, v_ctx = q.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2)  # (B, H, ., D)
     if L > 0 and all(n == L for n in seqlens_k.tolist()) and Sq in (1, L):
         # every row attends to all L keys (one decode step, or whole prompts): nothing to mask
-        y = sdpa(q, k_ctx, v_ctx, scale, is_causal=causal and Sq > 1)
-    else:
-        y = masked_attention(q, k_ctx, v_ctx, seqlens_k, causal, scale)
-    return y.transpose(1, 2)                                                  # (B, Sq, Hq, D)
-
-
-def sdpa(q, k, v, scale, **options):
-    """`F.scaled_dot_product_attention` on (B, H, T, D), grouped-query heads included, in q's
-    dtype; on a CPU bf16 and fp16 are computed in float32, which is faster there and as exact."""
-    dtype = q.dtype
-    if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        q, k, v = q.float(), k.float(), v.float()
-    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                                          **options).to(dtype)
-
-
-def masked_attention(q, k_ctx, v_ctx, seqlens_k, causal, scale):
-    """The general case (prompt chunks after cached tokens, rows of different lengths), on
-    q (B, Hq, Sq, D) and k_ctx, v_ctx (B, Hk, L, D). Slots past a row's keys are zeroed first:
-    they may hold stale data, even NaN, and a softmax weight of 0 times NaN is still NaN."""
-    B, _, Sq, _ = q.shape
-    L = k_ctx.shape[2]
+        return sdpa(q, k_ctx, v_ctx, scale, is_causal=causal and Sq > 1).transpose(1, 2)
+    # Anything else (prompt chunks after cached tokens, rows of different lengths) needs a mask.
+    # Slots past a row's keys are zeroed first: they may hold stale data, even NaN, and a softmax
+    # weight of 0 times NaN is still NaN.
     seqlens_k = seqlens_k.to(device=q.device, dtype=torch.long)
     key_pos = torch.arange(L, device=q.device)                      # (L,)
     valid = key_pos[None, :] < seqlens_k[:, None]                   # (B, L)
@@ -77,8 +58,8 @@ def masked_attention(q, k_ctx, v_ctx, seqlens_k, causal, scale):
         last_visible = seqlens_k[:, None] - Sq + torch.arange(Sq, device=q.device)  # (B, Sq)
         mask = mask & (key_pos[None, None, :] <= last_visible[:, :, None])         # (B, Sq, L)
     y = sdpa(q, k_ctx, v_ctx, scale, attn_mask=mask[:, None])       # mask (B, 1, Sq or 1, L)
-    sees_nothing = ~mask.any(-1)                                    # (B, Sq or 1)
-    return y.masked_fill(sees_nothing[:, None, :, None], 0)         # (B, Hq, Sq, D)
+    sees_nothing = ~mask.any(-1)                                    # (B, Sq or 1): no key at all
+    return y.masked_fill(sees_nothing[:, None, :, None], 0).transpose(1, 2)  # (B, Sq, Hq, D)
 
 
 class ContiguousCache(ContiguousQueries):
@@ -89,7 +70,6 @@ class ContiguousCache(ContiguousQueries):
                  device="cpu", dtype=torch.float32):
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len or args.max_seq_len
-        self.n_layers = args.n_layers
         check_contiguous(args, max_batch, self.max_seq_len, device, dtype, kv_bytes_per_token)
         shape = (max_batch, self.max_seq_len, args.n_kv_heads, args.head_dim)
         self.k_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]

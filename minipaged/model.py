@@ -6,7 +6,6 @@ against; with a cache, only where attention gets its keys and values changes (`c
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -14,10 +13,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .checks import check_model_args
+from .rope_scaling import RopeScalingArgs, rescale_rope_frequencies
 
 
 @dataclass
-class ModelArgs:
+class ModelArgs(RopeScalingArgs):
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -27,16 +27,10 @@ class ModelArgs:
     ffn_dim_multiplier: float | None = None
     hidden_dim: int | None = None         # ...or the width itself (Hugging Face's intermediate_size)
     norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    use_scaled_rope: bool = False         # Llama 3.1+: stretch the low rotary frequencies
-    rope_scale_factor: float = 8.0        # 8 in Meta's code, 32 in HF's Llama 3.2 config: read it
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_len: int = 8192
+    rope_theta: float = 500000.0          # RoPE's base, rescaled as RopeScalingArgs says
     max_seq_len: int = 8192               # the longest sequence a cache will be asked to hold
     tie_word_embeddings: bool = False     # Llama 3.2 1B/3B reuse tok_embeddings as output
     stop_tokens: list[int] = field(default_factory=list)
-    rope_freq_factors: list[float] | None = None  # GGUF (llama.cpp's rope_freqs): divide freq i by it
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -65,29 +59,12 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def scale_rope_frequencies(freqs, args: ModelArgs):
-    """Llama 3.1's rope scaling (a model trained at 8K reads 128K): slow frequencies are divided
-    by the factor, fast ones kept, the band between blended."""
-    low_wavelen = args.rope_original_max_len / args.rope_low_freq_factor     # longer: scale fully
-    high_wavelen = args.rope_original_max_len / args.rope_high_freq_factor   # shorter: keep
-    wavelen = 2 * math.pi / freqs
-    smooth = (args.rope_original_max_len / wavelen - args.rope_low_freq_factor) / (
-        args.rope_high_freq_factor - args.rope_low_freq_factor)
-    blended = (1 - smooth) * freqs / args.rope_scale_factor + smooth * freqs
-    return torch.where(wavelen < high_wavelen, freqs,
-                       torch.where(wavelen > low_wavelen, freqs / args.rope_scale_factor, blended))
-
-
 def rope_frequencies(args: ModelArgs):
-    """The rotary frequencies theta^(-2i/d), one per (even, odd) pair of a head: (head_dim // 2,)."""
+    """The rotary frequencies theta^(-2i/d), one per (even, odd) pair of a head: (head_dim // 2,),
+    rescaled as the checkpoint says (Llama 3.1+ stretches the slow ones: `rope_scaling.py`)."""
     d = args.head_dim
     exps = torch.arange(0, d, 2, device="cpu")[: d // 2].float() / d   # cpu even under a meta device
-    freqs = 1.0 / (args.rope_theta ** exps)
-    if args.use_scaled_rope:
-        freqs = scale_rope_frequencies(freqs, args)
-    if args.rope_freq_factors is not None:
-        freqs = freqs / torch.tensor(args.rope_freq_factors, dtype=torch.float32, device="cpu")
-    return freqs
+    return rescale_rope_frequencies(1.0 / (args.rope_theta ** exps), args)
 
 
 def precompute_freqs_cis(freqs, positions):
@@ -188,6 +165,3 @@ class Llama(nn.Module):
         elif logits_indices is not None:
             h = h[:, logits_indices]                                                 # (B, K, dim)
         return self.output(self.norm(h)).float()                                     # (B, T, vocab)
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())

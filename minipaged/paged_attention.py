@@ -1,34 +1,25 @@
 """Stage 3: paged attention — attend over a KV cache scattered across fixed-size blocks.
 
 The pool `k_cache`/`v_cache` is (num_blocks, block_size, n_kv_heads, head_dim); row b's
-`block_table[b]` lists its blocks in order, so position `pos` lives in block
+`block_table[b]` lists its blocks in order: position `pos` lives in block
 `block_table[b, pos // block_size]` at offset `pos % block_size`. `flash_attn_with_kvcache` has
-flash-attn's signature and meaning: flash-attn's CUDA kernel where it can serve the call, else
-this readable PyTorch version, which (1) writes the new k/v through a slot mapping, (2) gathers
-each row's blocks into one contiguous tensor, (3) attends as the contiguous cache does.
-A later stage's kernel (`backend="triton"`, `"cpu"`) runs only when asked for by name. The input
-checks and the choice of backend are support code (`cache_checks.py`, `backends.py`): not
-needed on a first read.
+flash-attn's signature and meaning; its readable PyTorch version (1) writes the new k/v through a
+slot mapping, (2) gathers each row's blocks into one contiguous tensor, (3) attends as the
+contiguous cache does. `@dispatch` (support, in `backends.py`) checks the call and hands it to
+flash-attn's CUDA kernel where that can serve it, or to a later stage's kernel asked for by name.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import backends
-from .backends import (BACKENDS, available_backends, flash_attn,  # noqa: F401 (the call's API)
-                       flash_attn_available, pick_backend, register_backend)
-from .cache_checks import check_attention_inputs, check_blocks, check_implemented, check_lengths
+from .backends import (BACKENDS, available_backends, dispatch,  # noqa: F401 (the call's API)
+                       flash_attn_available, register_backend)
+from .cache_checks import check_blocks, check_lengths
 from .kv_cache import attention_over_cache
 
 
-def __getattr__(name):
-    """`paged_attention.last_backend`: the implementation that served the last call."""
-    if name == "last_backend":
-        return backends.last_backend
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
+@dispatch
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False,
@@ -38,44 +29,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """Write `k`/`v` (B, Sk, Hk, D) into the cache in place at `cache_seqlens`, then attend `q`
     (B, Sq, Hq, D) over cache_seqlens[b] + Sk keys of row b: (B, Sq, Hq, D). The cache is paged,
     (num_blocks, block_size, Hk, D) with `block_table` int32 (B, max_blocks), or flash-attn's
-    non-paged (B_cache, seqlen_cache, Hk, D) with `cache_batch_idx`."""
-    cache_seqlens = check_attention_inputs(q, k_cache, v_cache, k, v, cache_seqlens,
-                                           cache_batch_idx, block_table, softmax_scale)
-    name = pick_backend(backend, q, k_cache, block_table)
-    if name == "flash_attn":
-        return flash_attn.flash_attn_with_kvcache(
-            q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-            cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
-            cache_leftpad=cache_leftpad, block_table=block_table, softmax_scale=softmax_scale,
-            causal=causal, window_size=window_size, softcap=softcap,
-            rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
-            num_splits=num_splits, return_softmax_lse=return_softmax_lse)
-
-    check_implemented(name, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                      cache_leftpad=cache_leftpad, window_size=window_size, softcap=softcap,
-                      alibi_slopes=alibi_slopes, return_softmax_lse=return_softmax_lse)
-    table, cache_seqlens, seqlens_k = owned_block_table(q, k_cache, k, cache_seqlens,
-                                                        cache_batch_idx, block_table)
+    non-paged (B_cache, seqlen_cache, Hk, D) with `cache_batch_idx`. Past `dispatch`, the call
+    is paged, `cache_seqlens` a tensor, and `backend` the implementation that attends: "torch"
+    (below) or a later stage's."""
+    table, seqlens_k = owned_block_table(q, k_cache, k, cache_seqlens, block_table)
     write_new_kv(k_cache, v_cache, k, v, table, cache_seqlens)
-    return BACKENDS[name].attend(q, k_cache, v_cache, table, seqlens_k, causal, softmax_scale,
-                                 num_splits)
+    return BACKENDS[backend].attend(q, k_cache, v_cache, table, seqlens_k, causal, softmax_scale,
+                                    num_splits)
 
 
-def owned_block_table(q, k_cache, k, cache_seqlens, cache_batch_idx, block_table):
-    """(table (B, n), cache_seqlens (B,), seqlens_k (B,)): the table cut to the n blocks the
-    longest row needs, entries a row does not own (padding, stale ids) pointed at block 0, which
-    no backend reads past seqlens_k[b]; the lengths before and after the new tokens."""
-    B, device = q.shape[0], q.device
-    num_blocks, block_size = k_cache.shape[:2]
-    if block_table is None:
-        # non-paged: one block per row, a whole cache row long
-        rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(B)
-        block_table = rows[:, None]                                           # (B, 1)
+def owned_block_table(q, k_cache, k, cache_seqlens, block_table):
+    """(table (B, n), seqlens_k (B,)): the table cut to the n blocks the longest row needs,
+    entries a row does not own (padding, stale ids) pointed at block 0, which no backend reads
+    past seqlens_k[b], the keys row b has once the new tokens are in."""
+    device, (num_blocks, block_size) = q.device, k_cache.shape[:2]
     block_table = block_table.to(device)
     capacity = block_table.shape[1] * block_size          # slots a row's table can address
     n_new = 0 if k is None else k.shape[1]
-    if cache_seqlens is None:                             # no lengths: every row is full
-        cache_seqlens = torch.full((B,), capacity, dtype=torch.int32, device=device)
     seqlens_k = cache_seqlens.long() + n_new                                  # (B,) keys per row
     check_lengths(cache_seqlens, seqlens_k, capacity, block_table.shape[1], block_size)
     L = max(seqlens_k.tolist())                           # the longest row: all we gather
@@ -83,7 +53,7 @@ def owned_block_table(q, k_cache, k, cache_seqlens, cache_batch_idx, block_table
     owned = torch.arange(n, device=device) * block_size < seqlens_k[:, None]  # (B, n)
     table = torch.where(owned, block_table[:, :n].long(), 0)                  # (B, n)
     check_blocks(table, num_blocks)
-    return table, cache_seqlens, seqlens_k
+    return table, seqlens_k
 
 
 def write_new_kv(k_cache, v_cache, k, v, table, cache_seqlens) -> None:

@@ -1,5 +1,5 @@
-"""Stage 3: the paged KV cache the model runs on — stage 2's CacheManagers behind stage 1's
-cache interface (stated once, in `kv_cache.py`), attending with `flash_attn_with_kvcache`.
+"""Stage 3: the paged KV cache the model runs on — stage 2's CacheManagers behind stage 1's cache
+interface (stated once, in `kv_cache.py`), attending with `flash_attn_with_kvcache`.
 
 A sequence holds blocks for the tokens it has, not for `max_seq_len`, and a finished one returns
 them at once; `generate_paged` is stage 1's static batch (`generate_static`) on this cache.
@@ -12,7 +12,7 @@ import torch
 from .cache_manager import CacheManager
 from .cache_queries import PagedCacheQueries   # what later stages ask: not the idea
 from .cache_checks import check_pool, check_step_ids, check_step_room
-from .checks import check_count, check_request, check_sizes
+from .checks import check_count, check_sizes
 from .generation import generate_static
 from .kv_cache import kv_bytes_per_token
 from .paged_attention import flash_attn_with_kvcache
@@ -44,7 +44,6 @@ class PagedCache(PagedCacheQueries):
         """One layer's allocator (a later stage builds a richer one here)."""
         return CacheManager(*args, **kwargs)
 
-    # -- the cache interface ---------------------------------------------------------------------
     def prepare(self, seq_ids, num_new_tokens: int) -> None:
         """New sequences reserve blocks, known ones grow: in every layer, or in none (an error)."""
         seq_ids, n, first = check_step_ids(self, seq_ids), check_count(num_new_tokens), \
@@ -93,13 +92,11 @@ def generate_paged(model, prompts, max_new_tokens, block_size: int = 16,
     `num_blocks` blocks per layer, or as many as `kv_budget` bytes hold, or just enough for every
     prompt at full length. Other options (temperature, stop_tokens, ...) are `generate_static`'s."""
     max_seq_len = max_seq_len or model.args.max_seq_len
-    limits = check_request(model, prompts, max_new_tokens, options.get("temperature", 0.0),
-                           options.get("top_p", 1.0), max_seq_len)
-    lengths = [len(p) + m for p, m in zip(prompts, limits)]
     p = next(model.parameters())
-    blocks = static_pool_blocks(model.args, p.dtype, block_size, num_blocks, kv_budget, lengths)
+    blocks = static_pool_blocks(model, prompts, max_new_tokens, max_seq_len, block_size,
+                                num_blocks, kv_budget, options)
     cache = (cache_class or PagedCache)(model.args, blocks, block_size, len(prompts),
                                         max_seq_len, device=p.device, dtype=p.dtype, seed=seed,
                                         backend=backend)
-    return generate_static(model, prompts, limits, cache=cache, seed=seed,
+    return generate_static(model, prompts, max_new_tokens, cache=cache, seed=seed,
                            max_seq_len=max_seq_len, **options)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .cache_manager import CacheManager
+from .checks import check_request
 from .errors import OutOfBlocksError, RequestError
 from .kv_budget import num_blocks_for_budget
 
@@ -30,10 +31,15 @@ def pool_blocks(args, dtype, block_size: int, num_blocks: int | None = None,
     return num_blocks
 
 
-def static_pool_blocks(args, dtype, block_size: int, num_blocks: int | None, kv_budget: int | None,
-                       lengths) -> int:
-    """`pool_blocks` for a static batch (stage 3's `generate_paged`), which cannot wait or
-    preempt (that is stage 5): a pool too small for every sequence at once is refused."""
+def static_pool_blocks(model, prompts, max_new_tokens, max_seq_len: int, block_size: int,
+                       num_blocks: int | None, kv_budget: int | None, options: dict) -> int:
+    """`pool_blocks` for a static batch (stage 3's `generate_paged`: its request checked first,
+    `options` its temperature and top_p), which cannot wait or preempt (that is stage 5): a pool
+    too small for every prompt at its full length at once is refused."""
+    limits = check_request(model, prompts, max_new_tokens, options.get("temperature", 0.0),
+                           options.get("top_p", 1.0), max_seq_len)
+    lengths = [len(p) + m for p, m in zip(prompts, limits)]
+    args, dtype = model.args, next(model.parameters()).dtype
     blocks = pool_blocks(args, dtype, block_size, num_blocks, kv_budget, lengths)
     worst = pool_blocks(args, dtype, block_size, lengths=lengths)
     if worst > blocks:

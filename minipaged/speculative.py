@@ -72,7 +72,7 @@ def accept_greedy(drafts, logits) -> list[int]:
 
 
 def target_probs(logits, temperature: float, top_p: float):
-    """(..., V) logits -> the distribution `generation.sample` draws from: softmax at the
+    """(..., V) logits -> the distribution `sampling.sample` draws from: softmax at the
     temperature, cut to the smallest set of tokens reaching top_p, renormalised."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     sorted_p, order = torch.sort(probs, descending=True, dim=-1)

@@ -9,9 +9,9 @@ running sum and an accumulator in registers. The grid is (B, Hk, query slices x 
     query heads of a KV head are rows of one tile, so each block of keys is read once for
     all of them (vLLM's Triton "unified attention" kernel does the same; vLLM's CUDA v1
     kernel runs one thread block per query head and reads the keys `group` times);
-  * a tile of TILE key positions per step; each position looks its block up in the table, so
-    any block size works: a tile is one block when block_size = TILE, spans several blocks
-    of size 1 or 3, or a quarter of one block of 256;
+  * a tile of 64 key positions per step, whatever the block size; each position looks its
+    block up in the table, so any block size works: a tile spans 64 blocks of 1, four blocks
+    of 16, or a quarter of one block of 256;
   * `num_splits > 1` cuts each row into that many partitions, one program each, merged after
     by `combine_partitions` (v2, flash-decoding): more programs for a small batch of long rows.
 
@@ -51,14 +51,15 @@ class Launch(NamedTuple):
     grid: tuple             # (B, Hk, query slices x splits)
 
 
-def launch(B: int, Sq: int, Hq: int, Hk: int, block_size: int, num_splits: int = 0) -> Launch:
+def launch(B: int, Sq: int, Hq: int, Hk: int, num_splits: int = 0) -> Launch:
     """The grid and tile sizes for a call. tl.dot wants every side of a tile to be at least 16
-    on a GPU, so a program holds at least 16 rows (a decode's group of 4 query heads fills 4)
-    and a tile at least 16 keys; the interpreter runs the same shapes."""
+    on a GPU, so a program holds at least 16 rows (a decode's group of 4 query heads fills 4).
+    A tile holds 64 keys at any block size: small blocks cost table lookups, while small tiles
+    would cost a loop step per 16 keys. The interpreter runs the same shapes."""
     group = Hq // Hk
     rows = max(16, _next_pow2(group))
     q_per_program = rows // group
-    tile = min(64, max(16, _next_pow2(block_size)))
+    tile = 64
     splits = max(1, num_splits)
     return Launch(rows, q_per_program, tile, splits, (B, Hk, -(-Sq // q_per_program) * splits))
 
@@ -185,7 +186,7 @@ def triton_paged_attention(q, k_cache, v_cache, block_table, seqlens_k, causal=T
     q = q.contiguous()
     block_table = block_table.contiguous()
     seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32)
-    how = launch(B, Sq, Hq, Hk, block_size, num_splits)
+    how = launch(B, Sq, Hq, Hk, num_splits)
     longest = int(seqlens_k.max()) if B else 0
     split_len = how.tile * -(-max(longest, 1) // (how.tile * how.splits))   # whole tiles
     if how.splits == 1:

@@ -379,11 +379,14 @@ def test_the_backend_is_chosen_once_a_step_not_once_a_layer(monkeypatch):
 @pytest.mark.parametrize("options", [
     dict(), dict(prefix_caching=True, max_num_batched_tokens=8),
     dict(num_blocks=12, block_size=4), dict(num_blocks=12, block_size=4, preemption="swap"),
-    dict(n=2, temperature=0.8, prefix_caching=True)], ids=repr)
+    dict(n=2, temperature=0.8, prefix_caching=True),
+    dict(speculative="ngram", num_speculative_tokens=4),
+    dict(num_blocks=12, block_size=4, speculative="ngram", num_speculative_tokens=2),
+    dict(temperature=0.8, speculative="ngram", num_speculative_tokens=3)], ids=repr)
 def test_the_speed_layers_engine_gives_the_engines_tokens(options):
-    """FastEngine (the engine on FastSharedPagedCache) against stage 6's Engine, under
-    preemption, swapping, prefix caching, a token budget and parallel sampling; greedy runs
-    also against the no-cache forward."""
+    """FastEngine (the engine on FastSharedPagedCache) against the Engine, under preemption,
+    swapping, prefix caching, a token budget, parallel sampling and speculative decoding;
+    greedy runs also against the no-cache forward."""
     model = tiny_model()
     prompts = [list(range(1, 19)), list(range(1, 17)) + [40, 41], [5, 6]]
     want = generate(model, prompts, 12, cache="paged", stop_tokens=[], **options)

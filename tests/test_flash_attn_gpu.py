@@ -10,11 +10,11 @@ import logging
 import pytest
 import torch
 
-from minipaged import paged_attention as pa
+from minipaged import backends
 from minipaged.paged_attention import flash_attn_with_kvcache
 
 pytestmark = pytest.mark.skipif(
-    not pa.flash_attn_available(),
+    not backends.flash_attn_available(),
     reason="needs a CUDA GPU and flash-attn (pip install flash-attn --no-build-isolation)")
 
 DEVICE = "cuda"
@@ -43,9 +43,9 @@ def test_flash_attn_kernel_matches_the_torch_path(Sq):
     flash_case = scattered_case(seed=Sq, Sq=Sq)
     torch_case = as_float32(flash_case)              # the PyTorch path in fp32: the reference
     out = flash_attn_with_kvcache(**flash_case, backend="flash_attn")
-    assert pa.last_backend == "flash_attn"
+    assert backends.last_backend == "flash_attn"
     expected = flash_attn_with_kvcache(**torch_case, backend="torch")
-    assert pa.last_backend == "torch"
+    assert backends.last_backend == "torch"
     assert out.dtype == torch.bfloat16 and out.shape == expected.shape
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
     # both wrote the same new k/v into the same slots (bf16 -> fp32 -> bf16 is exact)
@@ -53,7 +53,7 @@ def test_flash_attn_kernel_matches_the_torch_path(Sq):
     assert torch.equal(flash_case["v_cache"], torch_case["v_cache"].bfloat16())
 
 
-def test_auto_uses_the_kernel_at_block_256_and_the_torch_path_at_block_16(caplog):
+def test_auto_uses_the_kernel_at_block_256_and_the_torch_path_at_block_16(caplog, monkeypatch):
     """The same tokens laid out in blocks of 16: flash-attn 2 refuses that size, so `auto` falls
     back to PyTorch (and warns), and the answer does not change."""
     case = scattered_case(seed=3, Sq=1)
@@ -65,11 +65,11 @@ def test_auto_uses_the_kernel_at_block_256_and_the_torch_path_at_block_16(caplog
     small["block_table"] = (case["block_table"][:, :, None] * 16 + sixteenths).flatten(1)
 
     out_256 = flash_attn_with_kvcache(**case)
-    assert pa.last_backend == "flash_attn"
+    assert backends.last_backend == "flash_attn"
+    monkeypatch.setattr(backends, "_announced", set())      # the fallback's warning, afresh
     with caplog.at_level(logging.WARNING, logger="minipaged.paged_attention"):
-        pa._announced.clear()
         out_16 = flash_attn_with_kvcache(**small)
-    assert pa.last_backend == "torch"
+    assert backends.last_backend == "torch"
     assert any("multiple of 256" in r.getMessage() for r in caplog.records)
     torch.testing.assert_close(out_16.float(), out_256.float(), atol=1e-2, rtol=1e-2)
     assert torch.equal(small["k_cache"].view_as(case["k_cache"]), case["k_cache"])

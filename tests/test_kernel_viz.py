@@ -15,7 +15,6 @@ import torch  # noqa: E402
 from minipaged import viz  # noqa: E402
 from minipaged.cache_manager import CacheManager  # noqa: E402
 from minipaged.online_softmax import paged_attention_v1, paged_attention_v2  # noqa: E402
-from minipaged.triton_attention import launch  # noqa: E402
 
 LENGTHS = [7, 22, 3]
 
@@ -96,9 +95,10 @@ def test_key_layout_order_is_the_memory_order_of_a_real_tensor(layout):
 
 
 def test_tiles_cover_the_row_in_the_kernels_tile_size():
-    fig = viz.plot_tiles_over_blocks(length=40, block_sizes=(1, 16, 256))
-    for ax, bs in zip(fig.axes, (1, 16, 256)):
-        tile = launch(1, 1, 4, 1, bs).tile
-        tiles = [p for p in ax.patches if (p.get_gid() or "").startswith("tile-")]
-        assert len(tiles) == -(-40 // tile)
+    """A row of 160 keys is walked in tiles of 64 keys (64, 64, then 32) at every block size."""
+    fig = viz.plot_tiles_over_blocks(length=160, block_sizes=(1, 16, 256))
+    for ax in fig.axes:
+        tiles = sorted((p.get_x(), p.get_width()) for p in ax.patches
+                       if (p.get_gid() or "").startswith("tile-"))
+        assert tiles == [(0, 64), (64, 64), (128, 32)]
     plt.close(fig)

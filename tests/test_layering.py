@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "minipaged"
-SUPPORT = {"checks", "cache_checks", "backends", "sizing", "cache_queries"}
+SUPPORT = {"checks", "cache_checks", "backends", "sizing", "cache_queries", "rope_scaling",
+           "sampling"}
 NOT_STAGES = {"__init__", "api", "errors", "cli"} | SUPPORT
 STAGE = re.compile(r"Stage (\d+)(b?):")
 

@@ -15,7 +15,7 @@ import torch
 from conftest import greedy_reference, tiny_model
 
 import minipaged
-from minipaged import paged_attention
+from minipaged import backends
 from minipaged.paged_cache import generate_paged
 
 PACKAGE = Path(minipaged.__file__).resolve().parent
@@ -65,7 +65,7 @@ def test_stage_3s_default_runs_no_later_stage(model):
     later = sorted(called & later_files())
     assert not later, f"stage 3's default path ran code of later stages: {later}"
     assert str(PACKAGE / "paged_attention.py") in called      # the call lesson 03 teaches ran
-    assert paged_attention.last_backend == "torch"
+    assert backends.last_backend == "torch"
 
 
 def test_the_trace_sees_a_later_stage_when_one_runs():
@@ -75,4 +75,4 @@ def test_the_trace_sees_a_later_stage_when_one_runs():
     _, called = run_traced(stage_3_default(model, [[5, 9, 2, 77], [100, 3]], 4, block_size=4,
                                            backend="cpu"))
     assert str(PACKAGE / "cpu_attention.py") in called & later_files()
-    assert paged_attention.last_backend == "cpu"
+    assert backends.last_backend == "cpu"

@@ -27,8 +27,8 @@ def written(case):
     lengths = call["cache_seqlens"]
     if isinstance(lengths, int):
         lengths = torch.full((call["q"].shape[0],), lengths, dtype=torch.int32)
-    table, _, seqlens_k = owned_block_table(call["q"], call["k_cache"], call["k"], lengths,
-                                            None, call["block_table"])
+    table, seqlens_k = owned_block_table(call["q"], call["k_cache"], call["k"], lengths,
+                                         call["block_table"])
     args = (call["q"], call["k_cache"], call["v_cache"], table, seqlens_k)
     return expected, args, call["causal"], call["softmax_scale"]
 

@@ -14,13 +14,15 @@ a CUDA machine it runs compiled, on CUDA tensors).
 import logging
 import math
 import random
+import types
 
 import pytest
 import torch
 
 from minipaged import backends, cpu_attention
 from minipaged import paged_attention as pa
-from minipaged.fast.paged import PagedStep, attend_step, fast_backend, plan_step
+from minipaged.fast import paged as paged_module
+from minipaged.fast.paged import QUERIES_AS_ROWS, PagedStep, attend_step, fast_backend, plan_step
 from minipaged.paged_attention import flash_attn_with_kvcache
 
 BACKENDS = ["torch", "cpu", "triton"]
@@ -166,6 +168,50 @@ def test_a_planned_step_matches_the_dense_reference_in_every_layer(block_size, s
         assert torch.equal(call["v_cache"].cpu(), v_after)
 
 
+@pytest.mark.parametrize("T", [2, 5, QUERIES_AS_ROWS, QUERIES_AS_ROWS + 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_few_tokens_per_row_through_the_c_kernel(T, dtype, monkeypatch):
+    """A step of T > 1 tokens per row on the "cpu" backend (a speculative verify pass): up to
+    QUERIES_AS_ROWS tokens each query is a decode row of the C kernel, past it stage 3's gather
+    path serves; either way the dense reference's numbers, and, through the kernel, each
+    query's output is exactly that of a one-token decode step at its position."""
+    if cpu_attention.why_not_cpu(torch.zeros(1, 1, 4, 8), torch.zeros(1, 4, 2, 8)):
+        pytest.skip("no C compiler builds stage 3b's kernel here")
+    gen = torch.Generator().manual_seed(T)
+    n_layers, B, Hk, group, D, block_size = 2, 3, 2, 2, 8, 4
+    lengths = [0, 7, 12]                          # empty, mid-block, on a block boundary
+    max_blocks = -(-(max(lengths) + T) // block_size)
+    num_blocks = B * max_blocks + 2
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen, dtype=torch.int32)
+                          [:B * max_blocks].view(B, max_blocks) for _ in range(n_layers)])
+    randn = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)
+    q, k, v = randn(B, T, Hk * group, D), randn(B, T, Hk, D), randn(B, T, Hk, D)
+    k_cache, v_cache = randn(num_blocks, block_size, Hk, D), randn(num_blocks, block_size, Hk, D)
+    kernel_rows = []
+    real_kernel = paged_module.decode_attention
+    monkeypatch.setattr(paged_module, "decode_attention", lambda q_, *a: kernel_rows.append(
+        q_.shape[0]) or real_kernel(q_, *a))
+    layer = 1
+    expected, k_after, _ = dense_reference(q.float(), k_cache.float(), v_cache.float(), k.float(),
+                                           v.float(), lengths,
+                                           paged_locate(tables[layer], block_size), causal=True)
+    step = plan_step(tables, torch.tensor(lengths, dtype=torch.int32), T, block_size)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = attend_step(q, k, v, kc, vc, step, layer, "cpu")
+    assert kernel_rows == ([B * T] if T <= QUERIES_AS_ROWS else [])
+    assert torch.equal(kc.float(), k_after.to(dtype).float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    if T > QUERIES_AS_ROWS:
+        return
+    # the same tokens one at a time, as decode steps: the same numbers, bit for bit
+    kc, vc = k_cache.clone(), v_cache.clone()
+    for t in range(T):
+        one = plan_step(tables, torch.tensor(lengths, dtype=torch.int32) + t, 1, block_size)
+        y = attend_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], kc, vc, one, layer, "cpu")
+        assert torch.equal(y, out[:, t:t + 1])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("seed", range(10))
 def test_non_paged_mode_with_cache_batch_idx(seed, backend):
@@ -280,17 +326,44 @@ def test_auto_on_a_cpu_is_stage_3s_pytorch_path_and_the_c_kernel_only_when_asked
     with caplog.at_level(logging.INFO, logger="minipaged.paged_attention"):
         out = flash_attn_with_kvcache(**{**case, "k": None, "v": None})
         flash_attn_with_kvcache(**{**case, "k": None, "v": None})
-    assert pa.last_backend == "torch"
+    assert backends.last_backend == "torch"
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "torch implementation" in lines[0], lines
     assert torch.equal(out, flash_attn_with_kvcache(**{**case, "k": None, "v": None},
                                                     backend="torch"))
     flash_attn_with_kvcache(**{**case, "k": None, "v": None}, backend="cpu")
-    assert pa.last_backend == "cpu"
+    assert backends.last_backend == "cpu"
     if not torch.cuda.is_available():
         assert not pa.flash_attn_available()
     with pytest.raises(ValueError, match="not on a CUDA GPU|not installed"):
         flash_attn_with_kvcache(**case, backend="flash_attn")
+
+
+def test_flash_attns_kernel_gets_every_argument_of_the_call_unchanged(monkeypatch):
+    """Where flash-attn's kernel serves a call (stood in for here: it needs a CUDA GPU), it is
+    handed every argument of flash-attn's signature by name, as given (the lengths as an int32
+    tensor); nothing of our own writes or attends."""
+    calls = []
+    monkeypatch.setattr(backends, "flash_attn", types.SimpleNamespace(
+        flash_attn_with_kvcache=lambda *args, **kwargs: calls.append((args, kwargs)) or "kernel"))
+    monkeypatch.setattr(backends, "why_not_flash", lambda q, k_cache, block_table: None)
+    case, _ = random_paged_case(5, 16)
+    call = {**case, "cache_seqlens": 3, "rotary_cos": torch.ones(1), "rotary_sin": torch.zeros(1),
+            "softmax_scale": 0.25, "causal": True, "window_size": (3, 0), "softcap": 0.5,
+            "rotary_interleaved": False, "alibi_slopes": torch.ones(2), "num_splits": 2,
+            "return_softmax_lse": True}
+    k_cache_before = case["k_cache"].clone()
+    assert flash_attn_with_kvcache(**call) == "kernel"
+    assert backends.last_backend == "flash_attn" and len(calls) == 1
+    args, kwargs = calls[0]
+    expected = {**call, "cache_batch_idx": None, "cache_leftpad": None}
+    assert args == () and set(kwargs) == set(expected)
+    for name, value in expected.items():
+        if name == "cache_seqlens":
+            assert kwargs[name].dtype == torch.int32 and kwargs[name].tolist() == [3] * len(case["q"])
+        else:
+            assert kwargs[name] is value, name
+    assert torch.equal(case["k_cache"], k_cache_before)     # the kernel writes, not us
 
 
 def test_the_speed_layers_auto_runs_the_c_kernel_and_says_so(monkeypatch, caplog):
@@ -301,7 +374,7 @@ def test_the_speed_layers_auto_runs_the_c_kernel_and_says_so(monkeypatch, caplog
     with caplog.at_level(logging.INFO, logger="minipaged.paged_attention"):
         assert fast_backend("auto", case["q"], case["k_cache"], case["block_table"]) == "cpu"
         assert fast_backend("auto", case["q"], case["k_cache"], case["block_table"]) == "cpu"
-    assert pa.last_backend == "cpu"
+    assert backends.last_backend == "cpu"
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "cpu implementation" in lines[0], lines
     assert "not installed" in lines[0] or "CUDA" in lines[0]
@@ -317,7 +390,7 @@ def test_without_a_compiler_auto_runs_pytorch_and_says_why(monkeypatch, caplog):
     try:
         with caplog.at_level(logging.INFO, logger="minipaged.paged_attention"):
             name = fast_backend("auto", case["q"], case["k_cache"], case["block_table"])
-        assert name == "torch" and pa.last_backend == "torch"
+        assert name == "torch" and backends.last_backend == "torch"
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == 1 and "torch implementation" in lines[0] \
             and "no C compiler was found" in lines[0], lines

@@ -289,6 +289,35 @@ def test_embedded_model_greedy_tokens_unchanged(embedded, block_size):
             assert spec == plain, (kw, k)
 
 
+@pytest.fixture(scope="module")
+def tiny32():
+    """The tiny model in float32, a dtype stage 3b's C kernel serves, and its ground truth."""
+    model = tiny_model(seed=3, dtype=torch.float32)
+    return model, [greedy_reference(model, p, 24) for p in repetitive_prompts()]
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_the_speed_layers_engine_speculates_exactly(tiny32, block_size, monkeypatch):
+    """`minipaged.fast.FastEngine` takes stage 7's options; where the C kernel builds, its
+    verify pass attends through it, each query a decode row (`attend_queries_as_rows`).
+    Greedy: the no-cache forward's tokens for every k, drafts found and accepted."""
+    from minipaged.fast import FastEngine, paged
+    model, reference = tiny32
+    through_kernel = []
+    real = paged.attend_queries_as_rows
+    monkeypatch.setattr(paged, "attend_queries_as_rows",
+                        lambda q, *a: through_kernel.append(q.shape[1]) or real(q, *a))
+    for k in KS:
+        engine = FastEngine(model, 256, block_size, max_num_seqs=8, speculative="ngram",
+                            num_speculative_tokens=k)
+        for p in repetitive_prompts():
+            engine.add_request(p, 24, stop_tokens=[])
+        assert [r.output for r in engine.run()] == reference, k
+        assert engine.spec.accepted_tokens > 0, k
+    if not paged.why_not_cpu(torch.zeros(1, 1, 4, 16), torch.zeros(1, 4, 2, 16)):
+        assert through_kernel and max(through_kernel) == 1 + max(KS)
+
+
 def test_engine_is_the_speculative_engine_and_off_by_default(tiny, reference):
     assert Engine is SpeculativeEngine
     out, engine = run(tiny, repetitive_prompts(), 24, block_size=3)

@@ -54,7 +54,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from .. import cli, paged_attention
+from .. import backends, cli
 from ..api import generate
 from ..fast import FastContiguousCache, FastEngine, FastPagedCache, FusedLlama, compile_decode
 from ..formats import chat_format, load_model, load_tokenizer, packaged_model_path
@@ -373,7 +373,7 @@ def main(argv=None):
         console.print(f"batch-1 decode, {dtype_name} ...")
         decode[dtype_name] = best_in_turns(runs, args.repeats)
         notes.append(f"{dtype_name}: the paged caches attended through backend="
-                     f"{paged_attention.last_backend!r}")
+                     f"{backends.last_backend!r}")
         budget = token_budget(prompts)
         runs = {"minipaged.fast, engine": lambda: ours_serve(fast, prompts, n, budget),
                 "minipaged Llama, engine": lambda: ours_serve(model, prompts, n, budget),

@@ -234,7 +234,7 @@ def _train(out_dir: Path, steps, batch_size, seq_len, lr, seed, threads):
     model.eval()
     report = {
         "steps": steps, "batch_size": batch_size, "seq_len": seq_len, "seed": seed,
-        "params": model.num_params(), "train_tokens": len(train_stream),
+        "params": sum(p.numel() for p in model.parameters()), "train_tokens": len(train_stream),
         "heldout_tokens": len(heldout_stream),
         "train_loss": evaluate(model, train_stream, seq_len),
         "heldout_loss": evaluate(model, heldout_stream, seq_len),

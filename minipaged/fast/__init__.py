@@ -8,6 +8,8 @@
     contiguous.py   FastContiguousCache: stage 1's contiguous cache, decode row by row over views
     paged.py        FastPagedCache, FastEngine: stage 3's paged cache with a step's bookkeeping
                     planned once for all layers, and stage 3b's C kernel for decode on a CPU
+                    (and for stage 7's verify pass, a query at a time); FastEngine takes
+                    every option of `minipaged.Engine`, speculative decoding included
 
 Nothing in the stages imports this package: it runs only when asked for, e.g.
 `generate(fast, prompts, n, cache="paged", engine_class=FastEngine)`.

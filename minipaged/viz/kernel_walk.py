@@ -223,7 +223,7 @@ def plot_key_layouts(block_size: int = 8, n_kv_heads: int = 2, head_dim: int = 3
     return fig
 
 
-def plot_tiles_over_blocks(length: int = 40, block_sizes=(1, 3, 16, 256), group: int = 4):
+def plot_tiles_over_blocks(length: int = 160, block_sizes=(1, 3, 16, 256), group: int = 4):
     """One row of `length` keys cut into blocks (colour bands) and into the Triton kernel's
     tiles (black frames), for each block size: a tile spans several small blocks — one table
     lookup per key — or lies inside one big block. flash-attn 2 looks the table up once per
@@ -231,8 +231,8 @@ def plot_tiles_over_blocks(length: int = 40, block_sizes=(1, 3, 16, 256), group:
     to 256 keys). Returns the Figure."""
     fig, axes = plt.subplots(len(block_sizes), 1, figsize=(10, 0.9 * len(block_sizes) + 0.6),
                              squeeze=False)
+    tile = launch(1, 1, group, 1).tile
     for ax, bs in zip(axes[:, 0], block_sizes):
-        tile = launch(1, 1, group, 1, bs).tile
         for p in range(length):
             ax.add_patch(Rectangle((p, 0), 1, 1, facecolor=BLOCK_SHADES[(p // bs) % 2],
                                    alpha=0.75, edgecolor="white", lw=0.3, gid=f"key-{bs}-{p}"))

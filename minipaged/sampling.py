@@ -1,0 +1,25 @@
+"""Support, not a stage (not needed on a first read): how generation draws a token from logits —
+greedy at temperature 0, else top-p — each prompt from its own seeded stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample(logits, temperature: float, top_p: float, generator=None) -> int:
+    """One token id from a (vocab,) row of logits: greedy at temperature 0, else top-p."""
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    probs_sorted, order = torch.sort(probs, descending=True)
+    keep = probs_sorted.cumsum(-1) - probs_sorted <= top_p          # the smallest set reaching top_p
+    probs_sorted = probs_sorted * keep
+    choice = torch.multinomial(probs_sorted / probs_sorted.sum(), 1, generator=generator)
+    return int(order[choice])
+
+
+def row_generator(seed: int, index: int) -> torch.Generator:
+    """A prompt's own seeded stream (modulo 2**64, the seeds torch takes), so its tokens do not
+    depend on which prompts share its batch, nor on when it runs."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + index) % 2**64)
