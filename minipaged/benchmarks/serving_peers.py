@@ -133,11 +133,11 @@ def machine_busy_seconds() -> float:
 class Worker:
     """One engine in its own process: started, told jobs, stopped; its output in a log file."""
 
-    def __init__(self, name: str, argv: list, log: Path):
+    def __init__(self, name: str, argv: list, log: Path, env: dict):
         self.name, self.log, self.version = name, log, None
         here = [str(Path(__file__).resolve().parents[2])]          # this minipaged, first
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            here + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        env = dict(env, PYTHONPATH=os.pathsep.join(
+            here + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
         with open(log, "w") as f:
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=f, text=True, env=env)
@@ -189,7 +189,9 @@ def start_workers(args, dtype: str, jobs, logs: Path, console) -> dict:
         n_ctx = max(sum(len(p) + n for p, n in job) for job in jobs) + 256
         argv["llama.cpp"] = [sys.executable, peer_worker.__file__, "llama.cpp", json.dumps(dict(
             path=str(path), threads=args.threads, n_seq_max=most, n_ctx=n_ctx))]
-    workers = {name: Worker(name, a, logs / f"{name}-{dtype}.log") for name, a in argv.items()}
+    env = {"minipaged": dict(os.environ)}       # the peers: without minipaged's OpenMP setting
+    workers = {name: Worker(name, a, logs / f"{name}-{dtype}.log", env.get(name, started_with()))
+               for name, a in argv.items()}
     console.print(f"{dtype}: loading {', '.join(workers)} ...")
     try:
         for w in workers.values():
@@ -199,6 +201,14 @@ def start_workers(args, dtype: str, jobs, logs: Path, console) -> dict:
             w.stop()
         raise
     return workers
+
+
+def started_with() -> dict:
+    """The environment this process was started with (/proc/self/environ), before `import
+    minipaged` set GOMP_SPINCOUNT for minipaged's OpenMP threads: the peers run with their own
+    defaults."""
+    items = Path("/proc/self/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(item.split("=", 1) for item in items if "=" in item)
 
 
 def settle(workers, quiet: float = 0.02, most: float = 20.0) -> None:
