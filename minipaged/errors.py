@@ -40,3 +40,7 @@ class TraceError(MiniPagedError):
 class OutputError(MiniPagedError, OSError):
     """A file or folder could not be written (a full disk, a read-only folder); what was there
     before is left as it was and nothing half-written remains."""
+
+
+class PeerError(MiniPagedError):
+    """An engine a benchmark compares against (vLLM, llama.cpp) could not start or answer."""

@@ -2,8 +2,16 @@
 with one `error: ...` line and exit 2 before any work (a KV budget the machine cannot hold
 included), nothing written; a small run of each cheap one still works."""
 
+import json
+import sys
+
 import pytest
+import torch
 from cli_probes import ROOT, answered, digest, refused, run_many
+
+from minipaged import generate
+from minipaged.benchmarks.serving import sharegpt_like_trace
+from minipaged.formats import load_model, packaged_model_path
 
 CASES = {   # module: {argv: what the error line names (None: answered)}
     "policies": {
@@ -102,6 +110,20 @@ CASES = {   # module: {argv: what the error line names (None: answered)}
         ("--figures", "/nonexistent/x"): ["--figures", "does not exist"],
         ("--figures", "FIGURES", "--readme-figures"): ["not both"],
     },
+    "serving_peers": {
+        ("--requests", "0"): ["--requests"],
+        ("--requests", "300"): ["--requests"],
+        ("--runs", "0"): ["--runs"],
+        ("--scale", "0.5"): ["--scale"],
+        ("--new-tokens", "1"): ["--new-tokens"],
+        ("--dtypes", "float64"): ["--dtypes"],
+        ("--threads", "0"): ["--threads"],
+        ("--threads", "100000"): ["--threads"],
+        ("--vllm-python", "/nonexistent/python"): ["--vllm-python", "cannot run"],
+        ("--vllm-python", "PYTHON"): ["--vllm-python", "cannot import vllm"],
+        ("--cache-dir", "/proc/llama_cpp"): ["--cache-dir"],
+        ("--json", "/nonexistent/out.json"): ["--json", "does not exist"],
+    },
 }
 
 
@@ -112,7 +134,7 @@ def test_bad_arguments_are_refused_and_small_runs_work(module, tmp_path):
     negative.write_text("prompt_len,output_len\n10,-5\n")
     figures = tmp_path / "figures"
     paths = {"BINARY_CSV": binary, "NEGATIVE_CSV": negative, "FIGURES": figures,
-             "DRAWN": tmp_path / "drawn"}
+             "DRAWN": tmp_path / "drawn", "PYTHON": sys.executable}
     cases = CASES[module]
     probes = [([paths.get(a, a) for a in argv], None) for argv in cases]
     assets = digest(ROOT / "assets")       # a probe that runs by mistake may draw over them
@@ -145,3 +167,32 @@ def test_by_default_figures_go_to_a_new_temporary_folder_and_the_run_says_where(
                      "fragmentation_policies.png"]
     for name in drawn:
         assert f"wrote {folder / name}" in result["stdout"]
+
+
+def test_serving_peers_short_run_gives_the_reference_tokens(tmp_path):
+    """A short run of the serving comparison: one row per job, and minipaged's greedy tokens (and
+    llama.cpp's, where llama_cpp imports) are the ones stage 1's contiguous cache picks in
+    float64. vLLM needs its own environment and is not run here; the run says so."""
+    out = tmp_path / "peers.json"
+    result = run_many("minipaged.benchmarks.serving_peers", [(
+        ["--requests", "4", "--scale", "32", "--new-tokens", "4", "--runs", "1", "--dtypes",
+         "float32", "--threads", "1", "--no-compile", "--cache-dir", tmp_path / "cache", "--json", out], None)],
+        TMPDIR=str(tmp_path))[0]
+    answered(result)
+    assert "vLLM: not run" in result["stdout"]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["run"], r["job"]) for r in rows] == [(1, "batch 1"), (1, "4 requests")]
+    engines = set(rows[0]["rates"])
+    assert engines in ({"minipaged"}, {"minipaged", "llama.cpp"})
+    if engines == {"minipaged"}:
+        assert "llama.cpp: not importable" in result["stdout"]
+    trace, _ = sharegpt_like_trace(4, scale=32, vocab=49152, seed=0)
+    jobs = {"batch 1": [(trace[0][0], 4)], "4 requests": trace}
+    model = load_model(packaged_model_path("smollm2"), dtype=torch.float64)
+    tokens = json.loads(out.read_text())["tokens"]
+    for job, requests in jobs.items():
+        want = generate(model, [p for p, _ in requests], [n for _, n in requests],
+                        cache="contiguous", stop_tokens=[])
+        for engine in engines:
+            assert tokens[f"float32, {job}"][engine] == want, (engine, job)
+        assert f"greedy tokens, float32, {job}" in result["stdout"] or engines == {"minipaged"}

@@ -8,6 +8,7 @@
     python -m minipaged.benchmarks.sharing_savings stage 6: memory and prefill that sharing saves
     python -m minipaged.benchmarks.beam_savings    stage 6b: beam search's blocks, shared or not
     python -m minipaged.benchmarks.smollm2         a real model: minipaged beside transformers
+    python -m minipaged.benchmarks.serving_peers   serving beside vLLM's CPU build and llama.cpp
 
 Not a stage of the course: these modules import the stages and measure them.
 """
