@@ -77,9 +77,15 @@ def contiguous_tokens(lengths: tuple, n: int, seed: int = 1):
 @functools.lru_cache(maxsize=None)
 def no_cache_tokens(lengths: tuple, n: int, seed: int = 1):
     """Ground truth: every token from the no-cache forward over the whole sequence so far."""
+    return no_cache_greedy(prompts_of(lengths, seed), n)
+
+
+def no_cache_greedy(prompts, n: int):
+    """`n` greedy tokens per prompt, each from the tiny model's no-cache forward over the whole
+    sequence so far."""
     model, out = tiny_model(), []
     with torch.no_grad():
-        for p in prompts_of(lengths, seed):
+        for p in prompts:
             seq, new = list(p), []
             for _ in range(n):
                 t = int(model(torch.tensor([seq]))[0, -1].argmax())
@@ -1050,16 +1056,7 @@ def _repetitive_prompts():
 
 @functools.lru_cache(maxsize=None)
 def _no_cache_continuations(n: int):
-    model, out = tiny_model(), []
-    with torch.no_grad():
-        for p in _repetitive_prompts():
-            seq, new = list(p), []
-            for _ in range(n):
-                t = int(model(torch.tensor([seq]))[0, -1].argmax())
-                new.append(t)
-                seq.append(t)
-            out.append(new)
-    return out
+    return no_cache_greedy(_repetitive_prompts(), n)
 
 
 def speculative_greedy_tokens():
