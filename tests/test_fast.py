@@ -208,6 +208,59 @@ def test_a_batch_and_a_prompt_run_eager_with_the_same_tokens(compiled_pair):
                            max_seq_len=64)
 
 
+@pytest.fixture(scope="module")
+def batches_pair():
+    """A tiny fp32 model and its fused copy with every step on a cache compiled."""
+    model = tiny_model(dtype=torch.float32)
+    fast = FusedLlama(model)
+    assert compile_decode(fast, batches=True) > 0
+    assert fast.compiled is not None and fast.compiled_batches is not None
+    return model, fast
+
+
+@pytest.mark.parametrize("options", [dict(), dict(max_num_batched_tokens=6),
+                                     dict(max_num_batched_tokens=64, engine_class=FastEngine)])
+def test_the_compiled_batch_step_serves_every_step_and_gives_the_references(batches_pair,
+                                                                          options):
+    """Batches of decode rows, prompts and stage 5b's packed steps (decode rows and prompt
+    chunks in one row of tokens, a few logits kept) all run the one compiled graph, whatever
+    their number of tokens, and the greedy tokens are the no-cache references'."""
+    model, fast = batches_pair
+    step, shapes = fast.compiled_batches, []
+    fast.compiled_batches = lambda tokens, *a: shapes.append(tuple(tokens.shape)) or \
+        step(tokens, *a)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    try:
+        got = generate(fast, PROMPTS, 8, cache="paged", stop_tokens=[], max_seq_len=64,
+                       block_size=4, **options)
+    finally:
+        fast.compiled_batches = step
+    assert got == [greedy_reference(model, p, 8) for p in PROMPTS]
+    assert len(set(shapes)) >= 2                                    # steps of several sizes,
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # none compiled anew
+
+
+def test_the_compiled_batch_steps_logits_are_the_eager_ones(batches_pair):
+    """A decode step of three rows, compiled and eager: the same logits up to the order of
+    the sums (one row of the graph's tokens per row of the batch)."""
+    model, fast = batches_pair
+    logits, step = {}, fast.compiled_batches
+    try:
+        for name, run in (("compiled", step), ("eager", None)):
+            fast.compiled_batches = run
+            cache = ContiguousCache(model.args, 3, 40)
+            with torch.no_grad():
+                for row, prompt in enumerate(PROMPTS):
+                    cache.prepare([row], len(prompt))
+                    fast(torch.tensor([prompt]), cache=cache, last_only=True)
+                cache.prepare([0, 1, 2], 1)
+                logits[name] = fast(torch.tensor([[42], [7], [9]]), cache=cache)
+    finally:
+        fast.compiled_batches = step
+    assert logits["compiled"].shape == (3, 1, model.args.vocab_size)
+    assert (logits["compiled"] - logits["eager"]).abs().max() < 1e-4
+
+
 def test_a_failed_compile_warns_and_stays_eager(monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler here")

@@ -168,13 +168,15 @@ def test_a_planned_step_matches_the_dense_reference_in_every_layer(block_size, s
         assert torch.equal(call["v_cache"].cpu(), v_after)
 
 
-@pytest.mark.parametrize("T", [2, 5, QUERIES_AS_ROWS, QUERIES_AS_ROWS + 1])
+@pytest.mark.parametrize("T", [2, 5, QUERIES_AS_ROWS, QUERIES_AS_ROWS + 1, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_few_tokens_per_row_through_the_c_kernel(T, dtype, monkeypatch):
     """A step of T > 1 tokens per row on the "cpu" backend (a speculative verify pass): up to
-    QUERIES_AS_ROWS tokens each query is a decode row of the C kernel, past it stage 3's gather
-    path serves; either way the dense reference's numbers, and, through the kernel, each
-    query's output is exactly that of a one-token decode step at its position."""
+    QUERIES_AS_ROWS tokens each query is a decode row of the C kernel, past it each row's keys
+    are gathered for PyTorch's flash attention (`attend_chunks`: the whole prompt in row 0, a
+    chunk after cached tokens in the others); either way the dense reference's numbers, and,
+    through the kernel, each query's output is exactly that of a one-token decode step at its
+    position."""
     if cpu_attention.why_not_cpu(torch.zeros(1, 1, 4, 8), torch.zeros(1, 4, 2, 8)):
         pytest.skip("no C compiler builds stage 3b's kernel here")
     gen = torch.Generator().manual_seed(T)

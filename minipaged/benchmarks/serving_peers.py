@@ -74,7 +74,7 @@ def minipaged_engine(dtype: str, threads: int, compiled: bool):
     torch.set_num_threads(threads)
     fast = FusedLlama(load_model(packaged_model_path("smollm2"), dtype=getattr(torch, dtype)))
     if compiled:
-        compile_decode(fast)
+        compile_decode(fast, batches=True)
 
     def run(requests):
         prompts, lengths = zip(*requests)

@@ -4,7 +4,8 @@
                     speed and packed for oneDNN (matvec.py), rotary on real numbers; a
                     drop-in for a `Llama`
     compiled.py     compile_decode: its decode step compiled into one graph (torch.compile with
-                    freezing), attention left to the cache; optional, eager when it cannot
+                    freezing), and with batches=True its other steps into a second one,
+                    attention left to the cache; optional, eager when it cannot
     contiguous.py   FastContiguousCache: stage 1's contiguous cache, decode row by row over views
     paged.py        FastPagedCache, FastEngine: stage 3's paged cache with a step's bookkeeping
                     planned once for all layers, and stage 3b's C kernel for decode on a CPU

@@ -96,11 +96,13 @@ class FusedLlama(nn.Module):
         self.output = MatVec(model.output.weight)
         self.rope_freqs = model.rope_freqs
         self.compiled = None     # set by `compile_decode` (compiled.py): the decode step
+        self.compiled_batches = None    # and with batches=True: every other step on a cache
 
     def forward(self, tokens, cache=None, last_only: bool = False, logits_indices=None):
         """As `Llama.forward`: logits (B, T, vocab) float32, (B, 1, vocab) with `last_only`,
-        (B, K, vocab) at `logits_indices`. One sequence's decode step on a cache runs compiled
-        once `compile_decode` has compiled it."""
+        (B, K, vocab) at `logits_indices`. On a cache, steps run compiled once `compile_decode`
+        has compiled them (compiled.py): one sequence's decode step, and with `batches=True`
+        every other step."""
         B, T = tokens.shape
         if cache is None:
             positions = torch.arange(T, device=tokens.device)[None, :].expand(B, T)  # (B, T)
@@ -108,6 +110,8 @@ class FusedLlama(nn.Module):
             positions = cache.positions.to(tokens.device)                            # (B, T)
         if self.compiled is not None and cache is not None and (B, T) == (1, 1):
             return self.compiled(tokens, positions, cache)
+        if self.compiled_batches is not None and cache is not None and B * T > 1:
+            return self.compiled_batches(tokens, positions, cache, last_only, logits_indices)
         return self.run(tokens, positions, cache, last_only, logits_indices)
 
     def run(self, tokens, positions, cache, last_only: bool = False, logits_indices=None,
@@ -115,13 +119,22 @@ class FusedLlama(nn.Module):
         """The forward on given positions; `attend_op(layer, q, k, v)` replaces `cache.attend`
         (the compiled step passes one that the compiler does not look inside)."""
         cos, sin = rotary_cos_sin(self.rope_freqs.to(tokens.device), positions)
-        h = self.tok_embeddings(tokens)                                              # (B, T, dim)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, self._attention(i, cache, attend_op))
+        h = self.hidden(tokens, cos, sin, cache, attend_op)                          # (B, T, dim)
         if last_only:
             h = h[:, -1:]                                                            # (B, 1, dim)
         elif logits_indices is not None:
             h = h[:, logits_indices]                                                 # (B, K, dim)
+        return self.logits(h)
+
+    def hidden(self, tokens, cos, sin, cache=None, attend_op=None):
+        """The last layer's output (B, T, dim) for tokens (B, T) at the angles `cos`, `sin`."""
+        h = self.tok_embeddings(tokens)                                              # (B, T, dim)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, self._attention(i, cache, attend_op))
+        return h
+
+    def logits(self, h):
+        """The vocabulary's logits (float32) of hidden states h."""
         return self.output(self.norm(h)).float()
 
     @staticmethod
