@@ -53,8 +53,8 @@ void paged_attention_decode(const float *q, const kv_t *k_cache, const kv_t *v_c
         const float *qs = q + ((int64_t)b * Hk + kv_head) * G * D;   /* its G query heads */
         float *acc = out + ((int64_t)b * Hk + kv_head) * G * D;
         float m[GROUP], l[GROUP], p[GROUP][TILE];        /* running max, sum; a tile's weights */
+        float o[GROUP][HEAD_DIM] = {{0.0f}};             /* the weighted values, summed */
         for (int h = 0; h < G; h++) { m[h] = -FLT_MAX; l[h] = 0.0f; }
-        memset(acc, 0, sizeof(float) * G * D);
         const int64_t n = seqlens[b];
         for (int64_t start = 0; start < n; start += block_size) {    /* block after block */
             const int64_t block = block_table[b * table_width + start / block_size];
@@ -63,14 +63,15 @@ void paged_attention_decode(const float *q, const kv_t *k_cache, const kv_t *v_c
             const int in_block = n - start < block_size ? (int)(n - start) : block_size;
             for (int t0 = 0; t0 < in_block; t0 += TILE) {
                 const int count = in_block - t0 < TILE ? in_block - t0 : TILE;
-                /* scores: each key of the tile against the group's queries */
+                /* scores: each key of the tile, read once, against the group's queries */
                 for (int t = 0; t < count; t++) {
                     const kv_t *k = keys + (t0 + t) * key_stride;
-                    for (int h = 0; h < G; h++) {
-                        float dot = 0.0f;
-                        for (int d = 0; d < D; d++) dot += qs[h * D + d] * load(k[d]);
-                        p[h][t] = dot * scale;
+                    float dot[GROUP] = {0.0f};
+                    for (int d = 0; d < D; d++) {
+                        const float key = load(k[d]);
+                        for (int h = 0; h < G; h++) dot[h] += qs[h * D + d] * key;
                     }
+                    for (int h = 0; h < G; h++) p[h][t] = dot[h] * scale;
                 }
                 /* online softmax: a new max rescales what was summed so far */
                 for (int h = 0; h < G; h++) {
@@ -83,19 +84,21 @@ void paged_attention_decode(const float *q, const kv_t *k_cache, const kv_t *v_c
                     const float rescale = expf(m[h] - new_max);
                     l[h] = l[h] * rescale + sum;
                     m[h] = new_max;
-                    for (int d = 0; d < D; d++) acc[h * D + d] *= rescale;
+                    for (int d = 0; d < D; d++) o[h][d] *= rescale;
                 }
-                /* values, weighted */
+                /* values, weighted: each value read once for the group */
                 for (int t = 0; t < count; t++) {
                     const kv_t *v = values + (t0 + t) * key_stride;
-                    for (int h = 0; h < G; h++)
-                        for (int d = 0; d < D; d++) acc[h * D + d] += p[h][t] * load(v[d]);
+                    for (int d = 0; d < D; d++) {
+                        const float value = load(v[d]);
+                        for (int h = 0; h < G; h++) o[h][d] += p[h][t] * value;
+                    }
                 }
             }
         }
         for (int h = 0; h < G; h++) {                    /* a row with no key: zeros */
             const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-            for (int d = 0; d < D; d++) acc[h * D + d] *= inv;
+            for (int d = 0; d < D; d++) acc[h * D + d] = o[h][d] * inv;
         }
     }
 }
