@@ -16,7 +16,10 @@ machine, SmolLM2-135M in float32, `FastEngine` eager, one Python busy loop besid
     1, beside the busy loop           74  (0.68x)             64  (0.66x)
 
 One thread on the free core beats two threads sharing with the busy one. (The spinning that
-made it much worse is handled apart: `import minipaged` sets a short GOMP_SPINCOUNT.)
+made it much worse is handled apart: `import minipaged` sets a short GOMP_SPINCOUNT.) With the
+governor on, the same machine, batch 1 beside the busy loop took 64 ms a token against 97 ms
+with the count fixed at 2 (quiet: 43 and 42 ms), and 16 requests kept 0.64 of their quiet rate
+against 0.50 (`python -m minipaged.benchmarks.busy_machine --ways fixed minipaged`).
 
 How. Every `interval` seconds (half a second; a step only reads the clock in between) the
 governor reads how many seconds the machine's cores were busy (/proc/stat, the cores this
