@@ -163,8 +163,8 @@ def main(argv=None):
     p.add_argument("--turns", type=cli.whole(1), default=2,
                    help="quiet and busy runs in each child, in turns")
     p.add_argument("--ways", nargs="+", type=parse_way, default=list(WAYS),
-                   help="spinning, fixed, minipaged, passive, or spin=N (GOMP_SPINCOUNT=N: N turns, then "
-                        "sleep)")
+                   help="spinning, fixed, minipaged, passive, or spin=N (GOMP_SPINCOUNT=N: N "
+                        "turns, then sleep)")
     p.add_argument("--random-model", action="store_true",
                    help="a small random model instead of SmolLM2 (a quick check)")
     args = p.parse_args(argv)

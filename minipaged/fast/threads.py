@@ -28,9 +28,9 @@ rest, per second of wall time, is the share of cores that other processes hold. 
 at least `drop_at` (0.6) of a core more than counted so far, one core is counted as theirs and
 the step runs on one thread fewer (`torch.set_num_threads`; the C kernel reads the same
 count); when they use no more than `rise_at` (0.3) of the last core counted as theirs, that
-core comes back. The gap between the two thresholds keeps it from flapping. The thread count never
-goes above the one the user set, nor below 1, and `restore` puts the user's count back when
-a run ends.
+core comes back. The gap between the two thresholds keeps it from flapping. The thread count
+never goes above the one the user set, nor below 1, and `restore` puts the user's count back
+when a run ends.
 
 What it does not reach: graphs compiled by `compile_decode` bake the thread count they were
 compiled with into their loops (`#pragma omp parallel num_threads(N)`), so only the eager parts
