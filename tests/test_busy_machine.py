@@ -39,7 +39,7 @@ def test_a_users_choice_and_a_torch_loaded_first_are_left_alone():
 
 
 def test_the_benchmark_runs_each_way_quiet_and_busy():
-    ways = ["spinning", "minipaged", "passive", "spin=1000"]
+    ways = ["spinning", "fixed", "minipaged", "passive", "spin=1000"]
     rates = busy_machine.compare(ways, "float32", 2, 2, 1, 1, random_model=True)
     assert list(rates) == ways
     for way in rates.values():

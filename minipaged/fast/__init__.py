@@ -11,6 +11,8 @@
                     planned once for all layers, and stage 3b's C kernel for decode on a CPU
                     (and for stage 7's verify pass, a query at a time); FastEngine takes
                     every option of `minipaged.Engine`, speculative decoding included
+    threads.py      AdaptiveThreads: FastEngine's steps on one thread fewer while another
+                    process holds a core (each barrier would wait for the thread sharing it)
 
 Nothing in the stages imports this package: it runs only when asked for, e.g.
 `generate(fast, prompts, n, cache="paged", engine_class=FastEngine)`.

@@ -35,13 +35,14 @@ import torch.nn.functional as F
 from ..backends import BACKENDS, flash_attn, pick_backend, why_not_flash
 from ..cache_manager import PAD_BLOCK
 from ..cache_checks import check_step_ids, check_step_room
-from ..checks import check_count
+from ..checks import check_count, check_flag
 from ..cpu_attention import KV_TYPES, decode_attention, why_not_cpu
 from ..errors import RequestError
 from ..paged_cache import PagedCache
 from ..sharing import SharedPagedCache
 from ..speculative import SpeculativeEngine
 from .contiguous import attend_rows, upcast
+from .threads import AdaptiveThreads
 
 
 class PagedStep(NamedTuple):
@@ -269,7 +270,34 @@ class FastSharedPagedCache(FastSteps, SharedPagedCache):
 
 class FastEngine(SpeculativeEngine):
     """`minipaged.Engine` (every stage's options, speculative decoding included) on the speed
-    layer's cache."""
+    layer's cache. With `adaptive_threads` (the default), a step runs on one thread fewer for
+    each core another process holds, and a run ends on the user's thread count (`threads.py`:
+    beside a busy core, every barrier of a step otherwise waits for the thread sharing it)."""
+
+    def __init__(self, *args, adaptive_threads: bool = True, **options):
+        check_flag("adaptive_threads", adaptive_threads)
+        super().__init__(*args, **options)
+        self.threads = AdaptiveThreads() if adaptive_threads else None
+
+    def step(self):
+        if self.threads is None:
+            return super().step()
+        self.threads.tick()
+        try:
+            finished = super().step()
+        except BaseException:
+            self.threads.restore()
+            raise
+        if not self.has_unfinished():
+            self.threads.restore()
+        return finished
+
+    def run(self, *args, **kwargs):
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            if self.threads is not None:
+                self.threads.restore()
 
     def new_cache(self, *args, **kwargs) -> FastSharedPagedCache:
         return FastSharedPagedCache(*args, prefix_caching=self.prefix_caching, **kwargs)

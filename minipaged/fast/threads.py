@@ -1,0 +1,134 @@
+"""Fewer threads while another process holds a core: `AdaptiveThreads`, on by default in
+`FastEngine` (`FastEngine(..., adaptive_threads=False)` turns it off).
+
+Why. A step runs on torch's pool of OpenMP threads, one per core by default: a decode step is a
+few hundred short parallel regions (matrix products, element-wise ops, the C kernel's
+attention), each ending at a barrier where every thread waits for the last. When another
+CPU-bound process shares a core with one of those threads, the scheduler gives that thread
+half of its core in time slices, and every barrier waits for it: the whole step runs at the
+pace of the slowed thread, and the other core sits idle in between. Measured on a 2-core
+machine, SmolLM2-135M in float32, `FastEngine` eager, one Python busy loop beside it:
+
+    threads                    batch 1 (ms a token)    16 requests (tokens/s)
+    2, quiet                          50                      97
+    1, quiet                          70                      66
+    2, beside the busy loop          109  (0.46x)             48  (0.49x)
+    1, beside the busy loop           74  (0.68x)             64  (0.66x)
+
+One thread on the free core beats two threads sharing with the busy one. (The spinning that
+made it much worse is handled apart: `import minipaged` sets a short GOMP_SPINCOUNT.) With the
+governor on, the same machine, batch 1 beside the busy loop took 64 ms a token against 97 ms
+with the count fixed at 2 (quiet: 43 and 42 ms), and 16 requests kept 0.64 of their quiet rate
+against 0.50 (`python -m minipaged.benchmarks.busy_machine --ways fixed minipaged`).
+
+How. Every `interval` seconds (half a second; a step only reads the clock in between) the
+governor reads how many seconds the machine's cores were busy (/proc/stat, the cores this
+process may run on) and how many of them were this process's own (`time.process_time`): the
+rest, per second of wall time, is the share of cores that other processes hold. When they hold
+at least `drop_at` (0.6) of a core more than counted so far, one core is counted as theirs and
+the step runs on one thread fewer (`torch.set_num_threads`; the C kernel reads the same
+count); when they use no more than `rise_at` (0.3) of the last core counted as theirs, that
+core comes back. The gap between the two thresholds keeps it from flapping. The thread count
+never goes above the one the user set, nor below 1, and `restore` puts the user's count back
+when a run ends.
+
+What it does not reach: graphs compiled by `compile_decode` bake the thread count they were
+compiled with into their loops (`#pragma omp parallel num_threads(N)`), so only the eager parts
+of a compiled step (attention, the cache's writes) follow the count.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+
+def cpus_allowed() -> list[int]:
+    """The cores this process may run on."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def busy_seconds(cpus, stat: str | None = None) -> float | None:
+    """Seconds the cores `cpus` have spent busy since boot (user, nice, system, irq, softirq,
+    steal: all but idle and I/O wait), from /proc/stat's text (read if not given); None where
+    there is no /proc/stat."""
+    if stat is None:
+        try:
+            with open("/proc/stat") as f:
+                stat = f.read()
+        except OSError:
+            return None
+    wanted, ticks = {f"cpu{c}" for c in cpus}, 0
+    for line in stat.splitlines():
+        name, *fields = line.split()
+        if name in wanted:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
+            ticks += user + nice + system + irq + softirq + steal
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class AdaptiveThreads:
+    """torch's thread count, one fewer for each core other processes hold (see the module's
+    docstring). `tick()` before each step; `restore()` when a run ends. `update(wall, busy,
+    own)` is the decision alone, on readings given in seconds: wall-clock time, the machine's
+    busy time on our cores, this process's CPU time."""
+
+    def __init__(self, interval: float = 0.5, drop_at: float = 0.6, rise_at: float = 0.3):
+        self.interval, self.drop_at, self.rise_at = interval, drop_at, rise_at
+        self.cpus = cpus_allowed()
+        self.user_threads = None     # the count the user set, while a run is on
+        self.held = 0                # cores counted as held by other processes
+        self.others = 0.0            # cores' worth other processes used in the last interval
+        self.last = None             # the readings at the start of the interval
+
+    def read(self):
+        """(wall, busy, own) seconds now, or None where /proc/stat cannot be read."""
+        busy = busy_seconds(self.cpus)
+        return None if busy is None else (time.monotonic(), busy, time.process_time())
+
+    def tick(self) -> None:
+        """Before a step: at the first, remember the user's count; then, once an interval has
+        passed, read the machine and set the count for the steps that follow."""
+        if self.user_threads is None:
+            self.user_threads, self.held, self.last = torch.get_num_threads(), 0, None
+        if self.user_threads == 1:
+            return
+        now = time.monotonic()
+        if self.last is None or now - self.last[0] >= self.interval:
+            readings = self.read()
+            if readings is not None:
+                threads = self.update(*readings)
+                if threads != torch.get_num_threads():
+                    torch.set_num_threads(threads)
+
+    def update(self, wall: float, busy: float, own: float) -> int:
+        """Take one reading; returns the thread count the next steps should run on."""
+        if self.user_threads is None:
+            self.user_threads = torch.get_num_threads()
+        if self.last is not None and wall > self.last[0]:
+            w0, b0, o0 = self.last
+            self.others = max(0.0, (busy - b0) - (own - o0)) / (wall - w0)
+            while self.held < len(self.cpus) - 1 and self.others >= self.held + self.drop_at:
+                self.held += 1
+            while self.held > 0 and self.others <= self.held - 1 + self.rise_at:
+                self.held -= 1
+        self.last = (wall, busy, own)
+        return self.threads()
+
+    def threads(self) -> int:
+        """The user's count on a quiet machine; else the cores left free, at most the user's
+        count and at least 1."""
+        if self.held == 0:
+            return self.user_threads
+        return max(1, min(self.user_threads, len(self.cpus) - self.held))
+
+    def restore(self) -> None:
+        """The run is over: the user's thread count back, and a fresh start for the next run."""
+        if self.user_threads is not None and torch.get_num_threads() != self.user_threads:
+            torch.set_num_threads(self.user_threads)
+        self.user_threads, self.held, self.last = None, 0, None

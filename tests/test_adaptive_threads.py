@@ -1,0 +1,120 @@
+"""FastEngine's adaptive thread count (minipaged/fast/threads.py): the decision from readings
+fed in by hand (cores other processes used, worked out here from the numbers given), the
+/proc/stat arithmetic against a hand-made file, and a run that drops a thread midway: the
+tokens of the no-cache forward, and the user's thread count back at the end."""
+
+import functools
+import os
+
+import pytest
+import torch
+
+from conftest import greedy_reference, tiny_model
+from minipaged import UsageError, generate
+from minipaged.fast import FastEngine
+from minipaged.fast.threads import AdaptiveThreads, busy_seconds
+
+
+@pytest.fixture
+def two_threads():
+    """torch on 2 threads for the test, the caller's count back after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def governor(cores: int) -> AdaptiveThreads:
+    g = AdaptiveThreads()
+    g.cpus = list(range(cores))           # a machine of `cores` cores, whatever this one has
+    return g
+
+
+def feed(g: AdaptiveThreads, others_per_interval, own_per_second=1.0, interval=0.5):
+    """Readings half a second apart in which other processes used the given cores' worth and
+    this process `own_per_second`; the thread count decided after each."""
+    wall, busy, own, counts = 100.0, 5000.0, 20.0, [g.update(100.0, 5000.0, 20.0)]
+    for others in others_per_interval:
+        wall += interval
+        own += own_per_second * interval
+        busy += (own_per_second + others) * interval
+        counts.append(g.update(wall, busy, own))
+    return counts
+
+
+def test_one_thread_fewer_while_another_process_holds_a_core(two_threads):
+    g = governor(2)
+    # quiet; a busy loop starts (0.7, then a whole core); it stays (0.5 is above rise_at);
+    # it stops (0.1)
+    assert feed(g, [0.05, 0.7, 1.0, 0.5, 0.35, 0.1, 0.0]) == [2, 2, 1, 1, 1, 1, 2, 2]
+    assert g.others == pytest.approx(0.0)
+
+
+def test_a_little_noise_never_drops_a_thread(two_threads):
+    assert feed(governor(2), [0.2, 0.55, 0.3, 0.59, 0.0]) == [2] * 6
+
+
+def test_each_core_held_costs_one_thread_never_below_one():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        # 4 cores: a core and a half held costs 2 threads; all of them leaves one
+        assert feed(governor(4), [1.7, 1.7, 0.9, 3.9, 0.0]) == [4, 2, 2, 3, 1, 4]
+        torch.set_num_threads(1)                 # the user's single thread stays single
+        assert feed(governor(4), [3.0, 3.0]) == [1, 1, 1]
+        torch.set_num_threads(6)                 # more threads than cores: left alone if quiet
+        assert feed(governor(4), [0.1, 1.0, 0.0]) == [6, 6, 3, 6]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_busy_seconds_reads_the_processes_cores_from_proc_stat():
+    stat = ("cpu  900 900 900 900 900 9 9 9 0 0\n"
+            "cpu0 100 2 30 5000 70 4 5 6 0 0\n"
+            "cpu1 200 1 10 9000 80 1 1 1 0 0\n"
+            "intr 12345\n")
+    hz = os.sysconf("SC_CLK_TCK")
+    # user + nice + system + irq + softirq + steal; idle and iowait are not busy
+    assert busy_seconds([0], stat) == pytest.approx((100 + 2 + 30 + 4 + 5 + 6) / hz)
+    assert busy_seconds([0, 1], stat) == pytest.approx((147 + 200 + 1 + 10 + 1 + 1 + 1) / hz)
+
+
+def test_restore_puts_the_users_count_back(two_threads):
+    g = governor(2)
+    g.tick()                                     # a run starts: the user's count is 2
+    torch.set_num_threads(1)                     # as a busy machine makes tick do
+    g.restore()
+    assert torch.get_num_threads() == 2 and g.user_threads is None
+
+
+def test_a_run_that_drops_a_thread_gives_the_same_tokens_and_ends_on_the_users_count(
+        two_threads, monkeypatch):
+    """The governor is told another process holds a whole core from the second reading on,
+    a reading every step (interval 0): the run drops to one thread after its first step."""
+    model = tiny_model()
+    prompts = [list(range(1, 19)), [5, 6], list(range(30, 45))]
+    clock = iter(range(10**6))
+
+    def read(self):             # each reading one second on: ours 1 s busy, the others' 1 s
+        t = next(clock)
+        return float(t), 2.0 * t, float(t)
+
+    seen = []
+    monkeypatch.setattr(AdaptiveThreads, "read", read)
+    monkeypatch.setattr(AdaptiveThreads, "__init__", functools.partialmethod(
+        AdaptiveThreads.__init__, interval=0.0))
+    got = generate(model, prompts, 10, cache="paged", stop_tokens=[], engine_class=FastEngine,
+                   callback=lambda *_: seen.append(torch.get_num_threads()))
+    assert got == [greedy_reference(model, p, 10) for p in prompts]
+    assert seen[0] == 2 and set(seen[len(prompts):]) == {1}     # prefills first, then 1 thread
+    assert torch.get_num_threads() == 2
+
+
+def test_turned_off_it_never_touches_the_count(two_threads, monkeypatch):
+    monkeypatch.setattr(AdaptiveThreads, "read", lambda self: pytest.fail("read the machine"))
+    model = tiny_model()
+    engine = functools.partial(FastEngine, adaptive_threads=False)
+    assert generate(model, [[5, 6, 7]], 4, cache="paged", stop_tokens=[],
+                    engine_class=engine) == [greedy_reference(model, [5, 6, 7], 4)]
+    with pytest.raises(UsageError, match="adaptive_threads must be True or False"):
+        FastEngine(model, 8, adaptive_threads="yes")
