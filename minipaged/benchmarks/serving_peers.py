@@ -11,8 +11,9 @@ processes are idle (an idle vLLM worker spins its threads for a while after a ca
 llama.cpp's threads spin-wait), and the CPU the idle engines used during each turn is printed,
 so nothing runs beside the engine being timed:
 
-  * minipaged: `minipaged.fast`'s engine (`FastEngine` on `FusedLlama`, its batch-1 decode step
-    compiled unless --no-compile), stage 5b's token budget of 512 a step;
+  * minipaged: `minipaged.fast`'s engine (`FastEngine` on `FusedLlama`, its steps compiled,
+    `compile_decode(fast, batches=True)`, unless --no-compile), stage 5b's token budget of 512
+    a step;
   * vLLM's CPU build, when --vllm-python names an interpreter that imports vllm (it pins its own
     torch and transformers, so it lives in a virtual environment of its own): greedy,
     `ignore_eos`, no prefix caching, 512 tokens a step, its threads bound to the first
