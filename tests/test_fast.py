@@ -208,6 +208,51 @@ def test_a_batch_and_a_prompt_run_eager_with_the_same_tokens(compiled_pair):
                            max_seq_len=64)
 
 
+@pytest.mark.parametrize("budget", [None, 6])
+def test_batch_one_on_the_fast_engine_attends_through_one_plan_a_step(compiled_pair,
+                                                                      monkeypatch, budget):
+    """One sequence's compiled decode step on the speed layer's cache attends through a
+    `DecodeAttention` worked out once a step (every layer of every decode step goes through
+    it), and the greedy tokens are the no-cache references'."""
+    model, fast = compiled_pair
+    calls = []
+    real = fast_paged.DecodeAttention.attend
+    monkeypatch.setattr(fast_paged.DecodeAttention, "attend",
+                        lambda self, layer, *a: calls.append(layer) or real(self, layer, *a))
+    prompt = PROMPTS[2]
+    got = generate(fast, [prompt], 8, cache="paged", stop_tokens=[], max_seq_len=64,
+                   block_size=4, engine_class=FastEngine, max_num_batched_tokens=budget)
+    assert got == [greedy_reference(model, prompt, 8)]
+    assert calls == list(range(model.args.n_layers)) * 7     # every token after the first
+
+
+def test_decode_attention_gives_the_caches_own_attend_numbers():
+    """`DecodeAttention.attend` against the cache's `attend` on the same step, fp32 and bf16:
+    the same k/v written to the same slots and bit for bit the same output."""
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_model(dtype=dtype)
+        a = model.args
+        out = {}
+        for way in ("plan", "attend"):
+            cache = FastPagedCache(a, 16, 4, 1, 64, dtype=dtype)
+            cache.prepare([0], 9)
+            gen = torch.Generator().manual_seed(0)
+            randn = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)
+            for layer in range(a.n_layers):
+                cache.attend(layer, randn(1, 9, a.n_heads, a.head_dim),
+                             randn(1, 9, a.n_kv_heads, a.head_dim),
+                             randn(1, 9, a.n_kv_heads, a.head_dim))
+            cache.prepare([0], 1)
+            step = cache.decode_attention() if way == "plan" else cache
+            assert step is not None
+            q, k, v = (randn(1, 1, h, a.head_dim) for h in (a.n_heads, a.n_kv_heads, a.n_kv_heads))
+            out[way] = [step.attend(layer, q, k, v) for layer in range(a.n_layers)], \
+                [m.k_cache_paged.clone() for m in cache.managers]
+        for (y1, y2) in zip(out["plan"][0], out["attend"][0]):
+            assert y1.dtype == dtype and torch.equal(y1, y2)
+        assert all(torch.equal(x, y) for x, y in zip(out["plan"][1], out["attend"][1]))
+
+
 @pytest.fixture(scope="module")
 def batches_pair():
     """A tiny fp32 model and its fused copy with every step on a cache compiled."""

@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from ..kv_cache import ContiguousCache
 from .fused_llama import FusedLlama, rotary_cos_sin
+from .paged import decode_attention_of
 
 log = logging.getLogger(__name__)
 # freezing: the weights are constants; max_autotune with the "CPP" backend: inductor may write
@@ -43,16 +44,27 @@ OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends":
 _caches: list = []       # the cache the running compiled step attends on (a stack: re-entrant)
 
 
-@torch.library.custom_op("minipaged::attend", mutates_args=())
+# `minipaged::attend` is declared with torch.library's lower-level calls rather than
+# `torch.library.custom_op`, whose wrapper checks every call's outputs for aliasing: at batch 1
+# that check cost as much as a layer's attention arithmetic.
+_lib = torch.library.Library("minipaged", "DEF")
+_lib.define("attend(Tensor q, Tensor k, Tensor v, int layer) -> Tensor")
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """`cache.attend(layer, q, k, v)` on the cache of the running step, its tokens as the cache
     holds them, (B, T): the compiled graph may see them as one row; out in q's shape."""
     cache, B, T = _caches[-1]
+    if tuple(q.shape[:2]) == (B, T):             # laid out as the cache holds them: no views
+        return cache.attend(layer, q, k, v).contiguous()
     q_, k_, v_ = (x.view(B, T, *x.shape[2:]) for x in (q, k, v))
     return cache.attend(layer, q_, k_, v_).reshape(q.shape).contiguous()
 
 
-@attend.register_fake
+_lib.impl("attend", attend, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("minipaged::attend", lib=_lib)
 def _(q, k, v, layer):
     return q.new_empty(q.shape)
 
@@ -67,7 +79,8 @@ class DecodeStep(nn.Module):
 
     def forward(self, tokens, positions):
         return self.fast.run(tokens, positions, None,
-                             attend_op=lambda layer, q, k, v: attend(q, k, v, layer))
+                             attend_op=lambda layer, q, k, v: torch.ops.minipaged.attend(
+                                 q, k, v, layer))
 
 
 class CompiledDecode:
@@ -78,7 +91,8 @@ class CompiledDecode:
         self.step = torch.compile(DecodeStep(fast), dynamic=False)
 
     def __call__(self, tokens, positions, cache):
-        _caches.append((cache, 1, 1))
+        # on the speed layer's paged cache, the step's attention worked out once for all layers
+        _caches.append((decode_attention_of(cache) or cache, 1, 1))
         try:   # the options must hold whenever inductor compiles (torch.compile's `options=`
             with inductor_config.patch(OPTIONS):    # loses freezing), and only then
                 return self.step(tokens, positions)
@@ -98,7 +112,8 @@ class BatchStep(nn.Module):
 
     def forward(self, tokens, cos, sin, keep):
         h = self.fast.hidden(tokens, cos, sin,
-                             attend_op=lambda layer, q, k, v: attend(q, k, v, layer))
+                             attend_op=lambda layer, q, k, v: torch.ops.minipaged.attend(
+                                 q, k, v, layer))
         return self.fast.logits(h[:, keep])                                  # (1, K, vocab)
 
 
