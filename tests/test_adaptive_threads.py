@@ -118,3 +118,24 @@ def test_turned_off_it_never_touches_the_count(two_threads, monkeypatch):
                     engine_class=engine) == [greedy_reference(model, [5, 6, 7], 4)]
     with pytest.raises(UsageError, match="adaptive_threads must be True or False"):
         FastEngine(model, 8, adaptive_threads="yes")
+
+
+def test_a_model_with_compiled_steps_keeps_the_users_count(two_threads, monkeypatch):
+    """Compiled graphs keep the thread count they were compiled with: the governor leaves a
+    compiled model alone, even with another process on a whole core."""
+    model = tiny_model()
+    clock = iter(range(10**6))
+    monkeypatch.setattr(AdaptiveThreads, "read", lambda self: (float(t := next(clock)), 2.0 * t,
+                                                               float(t)))
+    monkeypatch.setattr(AdaptiveThreads, "__init__", functools.partialmethod(
+        AdaptiveThreads.__init__, interval=0.0))
+    model.compiled = lambda *a: pytest.fail("a Llama never calls it: only its presence counts")
+    seen = []
+    try:
+        got = generate(model, [[5, 6, 7], [8, 9]], 6, cache="paged", stop_tokens=[],
+                       engine_class=FastEngine,
+                       callback=lambda *_: seen.append(torch.get_num_threads()))
+    finally:
+        del model.compiled
+    assert got == [greedy_reference(model, p, 6) for p in ([5, 6, 7], [8, 9])]
+    assert set(seen) == {2}

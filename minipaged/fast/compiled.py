@@ -123,7 +123,7 @@ class CompiledBatches:
     logits_indices) -> logits`, as `FusedLlama.forward`. One graph, the number of tokens and of
     kept rows symbolic (`dynamic=True`): no step compiles again."""
 
-    OPTIONS = {"freezing": True}
+    OPTIONS = {"freezing": True}       # freezing alone: oneDNN's packed products, for any rows
 
     def __init__(self, fast: FusedLlama):
         self.fast = fast

@@ -15,7 +15,11 @@ every layer but for the block ids. `FastPagedCache` does it once per step for al
   * PyTorch decode steps whose rows differ in length attend row by row (`attend_rows`), reading
     only the blocks each row owns;
   * a step of a few tokens per row (stage 7's verify pass) goes to the C kernel too, each query
-    a decode row of its own (`attend_queries_as_rows`).
+    a decode row of its own (`attend_queries_as_rows`);
+  * a step of many tokens per row (prompts and their chunks) gathers each row's blocks for
+    PyTorch's flash attention, in the cache's dtype (`attend_chunks`);
+  * one sequence's decode step works out what every layer's attention needs once
+    (`DecodeAttention`: slots, kernel arguments), so a layer is two copies and the kernel call.
 
 `FastSharedPagedCache` is the same over stage 6's shared blocks, and `FastEngine` is the engine
 (`minipaged.Engine`) on it: `generate(model, prompts, n, cache="paged",
@@ -344,7 +348,10 @@ class FastEngine(SpeculativeEngine):
     """`minipaged.Engine` (every stage's options, speculative decoding included) on the speed
     layer's cache. With `adaptive_threads` (the default), a step runs on one thread fewer for
     each core another process holds, and a run ends on the user's thread count (`threads.py`:
-    beside a busy core, every barrier of a step otherwise waits for the thread sharing it)."""
+    beside a busy core, every barrier of a step otherwise waits for the thread sharing it).
+    Not on a model with compiled steps (`compile_decode`): their loops keep the count they were
+    compiled with, and changing torch's count under them made steps collapse (SmolLM2 fp32,
+    16 requests beside a busy loop: 9.6 tokens/s against 44.3 with the count left alone)."""
 
     def __init__(self, *args, adaptive_threads: bool = True, **options):
         check_flag("adaptive_threads", adaptive_threads)
@@ -352,7 +359,8 @@ class FastEngine(SpeculativeEngine):
         self.threads = AdaptiveThreads() if adaptive_threads else None
 
     def step(self):
-        if self.threads is None:
+        if self.threads is None or getattr(self.model, "compiled", None) is not None or \
+                getattr(self.model, "compiled_batches", None) is not None:
             return super().step()
         self.threads.tick()
         try:

@@ -33,8 +33,10 @@ never goes above the one the user set, nor below 1, and `restore` puts the user'
 when a run ends.
 
 What it does not reach: graphs compiled by `compile_decode` bake the thread count they were
-compiled with into their loops (`#pragma omp parallel num_threads(N)`), so only the eager parts
-of a compiled step (attention, the cache's writes) follow the count.
+compiled with into their loops (`#pragma omp parallel num_threads(N)`), and changing torch's
+count under them made steps collapse (16 requests beside the busy loop: 9.6 tokens/s against
+44.3 with the count left alone), so `FastEngine` leaves a model with compiled steps at the
+user's count.
 """
 
 from __future__ import annotations
