@@ -24,7 +24,6 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #ifdef KV_BF16
 typedef uint16_t kv_t;

@@ -318,7 +318,6 @@ class DecodeAttention:
                                 (kc.data_ptr(), vc.data_ptr(), table + layer * width * 8, width,
                                  self.lens.data_ptr(), 1, Hk, block_size, scale)))
         self.threads = threads
-        self.positions = plan.positions
 
     def attend(self, layer: int, q, k, v):
         """`cache.attend(layer, q, k, v)` for this step: q (1, 1, Hq, D), k and v (1, 1, Hk, D)
