@@ -4,7 +4,9 @@
    row: every (row, KV head) walks its row's block table and reads each block's keys and
    values where they lie in the pool, keeping a running max, a running sum and an
    accumulator per query head of its group. Nothing is gathered, nothing is masked: the walk
-   stops at the row's last key.
+   stops at the row's last key. It asks the memory for each block one block ahead
+   (`prefetch_block`), since the block table knows where the next one lies and the hardware
+   does not.
 
    cpu_attention.py compiles this file once per (KV dtype, head dim, group size), the first
    time a step needs it, with those three set by -D flags: the compiler then knows every loop's
@@ -38,6 +40,25 @@ static inline float load(kv_t x) { return x; }
 
 #define TILE 32   /* keys scored at a time: a block's keys, or a slice of a longer block */
 
+/* Keys of a row of n keys in the block that starts at key `start`. */
+static inline int keys_in_block(int64_t n, int64_t start, int block_size) {
+    return n - start < block_size ? (int)(n - start) : block_size;
+}
+
+/* Ask the memory now for the first `count` keys and values of one KV head in `block`, which
+   the walk reads soon. Blocks lie anywhere in the pool, so the hardware cannot guess where the
+   next one is, but the block table says: without this, the walk waits on memory block after
+   block more than it computes. */
+static inline void prefetch_block(const kv_t *k_cache, const kv_t *v_cache, int64_t block,
+                                  int block_size, int64_t key_stride, int kv_head, int count) {
+    const int64_t first = block * block_size * key_stride + kv_head * HEAD_DIM;
+    for (int t = 0; t < count; t++)
+        for (int byte = 0; byte < HEAD_DIM * (int)sizeof(kv_t); byte += 64) {  /* cache lines */
+            __builtin_prefetch((const char *)(k_cache + first + t * key_stride) + byte);
+            __builtin_prefetch((const char *)(v_cache + first + t * key_stride) + byte);
+        }
+}
+
 void paged_attention_decode(const float *q, const kv_t *k_cache, const kv_t *v_cache,
                             const int64_t *block_table, int64_t table_width,
                             const int64_t *seqlens, int B, int Hk, int block_size,
@@ -55,11 +76,19 @@ void paged_attention_decode(const float *q, const kv_t *k_cache, const kv_t *v_c
         float o[GROUP][HEAD_DIM] = {{0.0f}};             /* the weighted values, summed */
         for (int h = 0; h < G; h++) { m[h] = -FLT_MAX; l[h] = 0.0f; }
         const int64_t n = seqlens[b];
+        const int64_t *table = block_table + b * table_width;            /* row b's blocks */
+        if (n > 0)                                        /* the first block's, all at once */
+            prefetch_block(k_cache, v_cache, table[0], block_size, key_stride, kv_head,
+                           keys_in_block(n, 0, block_size));
         for (int64_t start = 0; start < n; start += block_size) {    /* block after block */
-            const int64_t block = block_table[b * table_width + start / block_size];
+            const int64_t block = table[start / block_size];
             const kv_t *keys = k_cache + block * block_size * key_stride + kv_head * D;
             const kv_t *values = v_cache + block * block_size * key_stride + kv_head * D;
-            const int in_block = n - start < block_size ? (int)(n - start) : block_size;
+            const int in_block = keys_in_block(n, start, block_size);
+            if (start + block_size < n)              /* the next block's, while this one runs */
+                prefetch_block(k_cache, v_cache, table[start / block_size + 1], block_size,
+                               key_stride, kv_head, keys_in_block(n, start + block_size,
+                                                                  block_size));
             for (int t0 = 0; t0 < in_block; t0 += TILE) {
                 const int count = in_block - t0 < TILE ? in_block - t0 : TILE;
                 /* scores: each key of the tile, read once, against the group's queries */
