@@ -46,9 +46,9 @@ static inline int keys_in_block(int64_t n, int64_t start, int block_size) {
 }
 
 /* Ask the memory now for the first `count` keys and values of one KV head in `block`, which
-   the walk reads soon. Blocks lie anywhere in the pool, so the hardware cannot guess where the
-   next one is, but the block table says: without this, the walk waits on memory block after
-   block more than it computes. */
+   the walk reads soon. Blocks lie anywhere in the pool and a head's keys are a slice of each
+   slot, so the hardware's own prefetching guesses badly; the block table knows. Without this,
+   over pools not already in the CPU's caches, the walk waits on memory more than it computes. */
 static inline void prefetch_block(const kv_t *k_cache, const kv_t *v_cache, int64_t block,
                                   int block_size, int64_t key_stride, int kv_head, int count) {
     const int64_t first = block * block_size * key_stride + kv_head * HEAD_DIM;
