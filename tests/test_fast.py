@@ -226,31 +226,78 @@ def test_batch_one_on_the_fast_engine_attends_through_one_plan_a_step(compiled_p
     assert calls == list(range(model.args.n_layers)) * 7     # every token after the first
 
 
-def test_decode_attention_gives_the_caches_own_attend_numbers():
-    """`DecodeAttention.attend` against the cache's `attend` on the same step, fp32 and bf16:
-    the same k/v written to the same slots and bit for bit the same output."""
-    for dtype in (torch.float32, torch.bfloat16):
-        model = tiny_model(dtype=dtype)
-        a = model.args
-        out = {}
-        for way in ("plan", "attend"):
-            cache = FastPagedCache(a, 16, 4, 1, 64, dtype=dtype)
-            cache.prepare([0], 9)
-            gen = torch.Generator().manual_seed(0)
-            randn = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)
-            for layer in range(a.n_layers):
-                cache.attend(layer, randn(1, 9, a.n_heads, a.head_dim),
-                             randn(1, 9, a.n_kv_heads, a.head_dim),
-                             randn(1, 9, a.n_kv_heads, a.head_dim))
-            cache.prepare([0], 1)
-            step = cache.decode_attention() if way == "plan" else cache
-            assert step is not None
-            q, k, v = (randn(1, 1, h, a.head_dim) for h in (a.n_heads, a.n_kv_heads, a.n_kv_heads))
-            out[way] = [step.attend(layer, q, k, v) for layer in range(a.n_layers)], \
-                [m.k_cache_paged.clone() for m in cache.managers]
-        for (y1, y2) in zip(out["plan"][0], out["attend"][0]):
-            assert y1.dtype == dtype and torch.equal(y1, y2)
-        assert all(torch.equal(x, y) for x, y in zip(out["plan"][1], out["attend"][1]))
+def decode_step_of_rows(dtype, lengths, seed=0):
+    """A FastPagedCache (blocks of 4) of a tiny model holding rows of the given lengths, each
+    filled with random k/v in every layer, then prepared for one new token a row."""
+    a = tiny_model(dtype=dtype).args
+    cache = FastPagedCache(a, 24, 4, len(lengths), 64, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed)
+    for row, n in enumerate(lengths):
+        cache.prepare([row], n)
+        for layer in range(a.n_layers):
+            cache.attend(layer, *(torch.randn(1, n, h, a.head_dim, generator=gen).to(dtype)
+                                  for h in (a.n_heads, a.n_kv_heads, a.n_kv_heads)))
+    cache.prepare(list(range(len(lengths))), 1)
+    return cache
+
+
+# rows before the step: 9 tokens, and rows of 4 and 12 whose new token opens a block (of 4)
+@pytest.mark.parametrize("lengths", [[9], [9, 4, 7, 12, 1]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_gives_the_caches_own_attend_numbers(dtype, lengths):
+    """`DecodeAttention.attend` against the cache's `attend` on the same step, one row or rows
+    of different lengths: the same k/v written to the same slots and bit for bit the same
+    output, in every layer."""
+    out = {}
+    for way in ("plan", "attend"):
+        cache = decode_step_of_rows(dtype, lengths)
+        a, B = cache.args, len(lengths)
+        assert cache.plan.positions.tolist() == [[n] for n in lengths]
+        step = cache.decode_attention() if way == "plan" else cache
+        assert (step is not None) if way == "plan" else True
+        gen = torch.Generator().manual_seed(1)
+        ys = []
+        for layer in range(a.n_layers):
+            q, k, v = (torch.randn(B, 1, h, a.head_dim, generator=gen).to(dtype)
+                       for h in (a.n_heads, a.n_kv_heads, a.n_kv_heads))
+            ys.append(step.attend(layer, q, k, v))
+        out[way] = ys, [(m.k_cache_paged.clone(), m.v_cache_paged.clone())
+                        for m in cache.managers]
+    for y1, y2 in zip(out["plan"][0], out["attend"][0]):
+        assert y1.dtype == dtype and y1.shape == y2.shape and torch.equal(y1, y2)
+    for (k1, v1), (k2, v2) in zip(out["plan"][1], out["attend"][1]):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("lengths", [[9], [9, 4, 7]])
+def test_decode_attention_refuses_keys_of_another_dtype_and_changes_nothing(lengths):
+    """k/v are copied into the pool byte for byte, so k or v of another dtype than the pool's
+    is refused with one line, and no slot is written."""
+    cache = decode_step_of_rows(torch.bfloat16, lengths)
+    a, B = cache.args, len(lengths)
+    step = cache.decode_attention()
+    before = [(m.k_cache_paged.clone(), m.v_cache_paged.clone()) for m in cache.managers]
+    q = torch.randn(B, 1, a.n_heads, a.head_dim).bfloat16()
+    k = torch.randn(B, 1, a.n_kv_heads, a.head_dim)
+    for k_, v_ in ((k, k.bfloat16()), (k.bfloat16(), k)):
+        with pytest.raises(RequestError, match=r"the new keys and values must be "
+                           r"torch.bfloat16, the cache's dtype \(got torch.float32\)"):
+            step.attend(0, q, k_, v_)
+    assert all(torch.equal(k0, m.k_cache_paged) and torch.equal(v0, m.v_cache_paged)
+               for (k0, v0), m in zip(before, cache.managers))
+
+
+def test_greedy_tokens_are_torchs_argmax_ties_and_nans_included():
+    """The fast engine's argmax (numpy's on a CPU for float32) picks what `argmax` picks: the
+    first of tied largest values, the first NaN, index 0 of a row of -inf; strided rows and
+    other dtypes too."""
+    logits = torch.randn(5, 1000)
+    logits[1, [7, 500]] = 100.0
+    logits[2, [3, 9]] = float("nan")
+    logits[3] = -math.inf
+    assert fast_paged.greedy_tokens(logits)[1:4] == [7, 3, 0]
+    for x in (logits, logits.double(), logits.bfloat16(), logits[:, 1::2], logits[:0]):
+        assert fast_paged.greedy_tokens(x) == x.argmax(-1).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +330,25 @@ def test_the_compiled_batch_step_serves_every_step_and_gives_the_references(batc
     assert got == [greedy_reference(model, p, 8) for p in PROMPTS]
     assert len(set(shapes)) >= 2                                    # steps of several sizes,
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # none compiled anew
+
+
+@pytest.mark.parametrize("budget", [None, 64])
+def test_batch_decode_steps_on_the_fast_engine_attend_through_one_plan_a_step(batches_pair,
+                                                                             monkeypatch, budget):
+    """The compiled batch step's decode steps on the speed layer's cache (rows of different
+    lengths, one token each; with a token budget, stage 5b's packed step of decode rows alone)
+    attend through one `DecodeAttention` a step for all rows: every layer of every step after
+    the prompts' goes through it, and the greedy tokens are the no-cache references'."""
+    model, fast = batches_pair
+    calls = []
+    real = fast_paged.DecodeAttention.attend
+    monkeypatch.setattr(fast_paged.DecodeAttention, "attend", lambda self, layer, *a:
+                        calls.append((self.rows, layer)) or real(self, layer, *a))
+    got = generate(fast, PROMPTS, 8, cache="paged", stop_tokens=[], max_seq_len=64,
+                   block_size=4, engine_class=FastEngine, max_num_batched_tokens=budget)
+    assert got == [greedy_reference(model, p, 8) for p in PROMPTS]
+    # the prompts' step(s) first, then 7 steps of the 3 rows, one plan each
+    assert calls == [(3, layer) for layer in range(model.args.n_layers)] * 7
 
 
 def test_the_compiled_batch_steps_logits_are_the_eager_ones(batches_pair):

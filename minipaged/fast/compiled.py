@@ -9,7 +9,9 @@ Attention stays outside the compiler: each layer calls the cache's `attend` thro
 operator (`minipaged::attend`), which the compiled graph calls like any other kernel. So the
 same compiled step runs on the contiguous and the paged cache, with every layer's block table,
 the engine's batches and stage 5b's packed steps, and the bookkeeping stays in Python where
-the stages put it. Two graphs:
+the stages put it. On the speed layer's paged cache, a decode step (one row or many, one new
+token each) attends through a `DecodeAttention` worked out once for all layers (fast/paged.py);
+other steps through the cache's `attend`. Two graphs:
 
   * the decode step of one sequence (`CompiledDecode`), its shapes fixed, its matrix-vector
     products written by the compiler itself (`max_autotune`), where a token's small
@@ -143,7 +145,9 @@ class CompiledBatches:
             keep = keep.repeat(2)
         cos, sin = rotary_cos_sin(self.fast.rope_freqs.to(tokens.device),
                                   positions.reshape(1, B * T))
-        _caches.append((cache, B, T))
+        # a decode step on the speed layer's paged cache (a batch of rows, one token each, or
+        # stage 5b's packed step of decode rows alone): its attention worked out once
+        _caches.append((decode_attention_of(cache) or cache, B, T))
         try:
             with inductor_config.patch(self.OPTIONS):
                 logits = self.step(tokens.reshape(1, B * T), cos, sin, keep)   # (1, K', vocab)

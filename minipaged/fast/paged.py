@@ -18,8 +18,9 @@ every layer but for the block ids. `FastPagedCache` does it once per step for al
     a decode row of its own (`attend_queries_as_rows`);
   * a step of many tokens per row (prompts and their chunks) gathers each row's blocks for
     PyTorch's flash attention, in the cache's dtype (`attend_chunks`);
-  * one sequence's decode step works out what every layer's attention needs once
-    (`DecodeAttention`: slots, kernel arguments), so a layer is two copies and the kernel call.
+  * a decode step (every row one new token) on the C kernel works out what every layer's
+    attention needs once (`DecodeAttention`: slots, int64 tables, kernel arguments), so a
+    layer is two copies and the kernel call.
 
 `FastSharedPagedCache` is the same over stage 6's shared blocks, and `FastEngine` is the engine
 (`minipaged.Engine`) on it: `generate(model, prompts, n, cache="paged",
@@ -45,6 +46,7 @@ from ..chunked_engine import PackedBatch
 from ..cpu_attention import KV_TYPES, build, decode_attention, why_not_cpu
 from ..errors import RequestError
 from ..paged_cache import PagedCache
+from ..sampling import sample
 from ..sharing import SharedPagedCache
 from ..speculative import SpeculativeEngine
 from .contiguous import attend_rows, upcast
@@ -267,24 +269,25 @@ class FastSteps:
 
 
     def decode_attention(self):
-        """The step's attention as a `DecodeAttention`, where it is one row's decode on stage
-        3b's C kernel; else None (the caller attends through `attend`)."""
+        """The step's attention as a `DecodeAttention`, where it is a decode step (every row one
+        new token) on stage 3b's C kernel; else None (the caller attends through `attend`)."""
         plan, m = self.plan, self.managers[0]
-        if plan is None or tuple(plan.positions.shape) != (1, 1) or \
+        if plan is None or plan.positions.shape[1] != 1 or \
                 m.k_cache_paged.dtype not in KV_TYPES or m.k_cache_paged.device.type != "cpu":
             return None
         Hk, D = m.k_cache_paged.shape[2:]
-        q = torch.empty(1, 1, self.args.n_heads, D, dtype=m.k_cache_paged.dtype)   # shape, dtype
+        q = torch.empty(plan.positions.shape[0], 1, self.args.n_heads, D,
+                        dtype=m.k_cache_paged.dtype)                          # shape, dtype
         if self.implementation(q, 0) != "cpu":
             return None
         return DecodeAttention(self, q.shape[2], Hk, D)
 
 
 def decode_attention_of(cache):
-    """`cache`'s `DecodeAttention` for its current step (a PackedBatch of one row's decode is
-    its cache's step), or None where it has none."""
+    """`cache`'s `DecodeAttention` for its current step (a PackedBatch of one segment of decode
+    rows is its cache's step), or None where it has none."""
     if isinstance(cache, PackedBatch):
-        if len(cache.segments) != 1 or cache.segments[0][:2] != (1, 1):
+        if len(cache.segments) != 1 or cache.segments[0][1] != 1:
             return None
         vars(cache.cache).update(cache.segments[0][2])      # the cache's step: the segment's
         cache = cache.cache
@@ -293,46 +296,61 @@ def decode_attention_of(cache):
 
 
 class DecodeAttention:
-    """One step of one row, one new token, on stage 3b's C kernel: what every layer's `attend`
-    needs, worked out once for the step. At batch 1 a layer's attention is a few dozen
-    microseconds of arithmetic, and going through `attend_step` and `decode_attention` cost
-    twice that again in Python and small torch calls (thirty layers a step); here a layer
-    copies its k and v into their slots and calls the kernel, nothing more. The same numbers
-    as `attend`."""
+    """A decode step on stage 3b's C kernel, B rows of one new token each: what every layer's
+    `attend` needs, worked out once for the step. A layer's attention is a few dozen
+    microseconds of arithmetic per row, and going through `attend_step` and
+    `decode_attention` cost as much again in Python and small torch calls (thirty layers a
+    step: the slots looked up, the tables and lengths converted to int64, the kernel found);
+    here a layer writes its k and v into their slots (two copies along the pools' slots; at
+    one row, two plain memory copies) and calls the kernel, nothing more. The same numbers as
+    `attend`."""
 
     def __init__(self, cache, Hq: int, Hk: int, D: int):
         plan, managers = cache.plan, cache.managers
-        self.kernel = build(managers[0].k_cache_paged.dtype, D, Hq // Hk)
-        self.shape, self.nbytes = (1, 1, Hq, D), Hk * D * managers[0].k_cache_paged.itemsize
-        self.dtype = managers[0].k_cache_paged.dtype
-        self.tables = plan.tables.contiguous()                     # (layers, 1, n) int64
-        self.lens = plan.seqlens_k.contiguous()                    # (1,) int64
-        slots = plan.slot_mapping[:, 0].tolist()                   # the new token's slot
+        pool = managers[0].k_cache_paged
+        self.dtype, self.rows = pool.dtype, plan.positions.shape[0]
+        self.kernel = build(self.dtype, D, Hq // Hk)
+        self.shape, self.kv_shape = (self.rows, Hq, D), (self.rows, Hk, D)
+        self.nbytes = Hk * D * pool.itemsize                     # one token's k (or v)
+        self.tables = plan.tables.contiguous()                   # (layers, B, n) int64
+        self.lens = plan.seqlens_k.contiguous()                  # (B,) int64
+        slots = plan.slot_mapping                                # (layers, B): the new tokens'
         width, table = self.tables.shape[2], self.tables.data_ptr()
-        block_size, scale, threads = cache.block_size, D ** -0.5, torch.get_num_threads()
-        self.layers = []             # per layer: (k, v destinations, the kernel's other args)
-        for layer, (m, slot) in enumerate(zip(managers, slots)):
+        block_size, scale = cache.block_size, D ** -0.5
+        self.layers = []     # per layer: (where k and v go, the kernel's other arguments)
+        for layer, m in enumerate(managers):
             kc, vc = m.k_cache_paged, m.v_cache_paged
-            self.layers.append((kc.data_ptr() + slot * self.nbytes,
-                                vc.data_ptr() + slot * self.nbytes,
-                                (kc.data_ptr(), vc.data_ptr(), table + layer * width * 8, width,
-                                 self.lens.data_ptr(), 1, Hk, block_size, scale)))
-        self.threads = threads
+            if self.rows == 1:                                   # addresses, for memmove
+                slot = int(slots[layer, 0])
+                to = (kc.data_ptr() + slot * self.nbytes, vc.data_ptr() + slot * self.nbytes)
+            else:                                                # the pools as rows of slots
+                to = (kc.view(-1, Hk, D), vc.view(-1, Hk, D), slots[layer])
+            self.layers.append((to, (kc.data_ptr(), vc.data_ptr(),
+                                     table + layer * self.rows * width * 8, width,
+                                     self.lens.data_ptr(), self.rows, Hk, block_size, scale)))
+        self.threads = torch.get_num_threads()
 
     def attend(self, layer: int, q, k, v):
-        """`cache.attend(layer, q, k, v)` for this step: q (1, 1, Hq, D), k and v (1, 1, Hk, D)
-        in the cache's dtype."""
-        k_slot, v_slot, args = self.layers[layer]
+        """`cache.attend(layer, q, k, v)` for this step: q (B, 1, Hq, D), k and v (B, 1, Hk, D)
+        in the cache's dtype, or the same tokens as one row, (1, B, ...) (a packed step); out
+        in q's shape."""
+        to, args = self.layers[layer]
         if k.dtype != self.dtype or v.dtype != self.dtype:    # bytes are copied as they are
-            raise RequestError(f"the new keys are {k.dtype}, the cache holds {self.dtype}")
-        if not (k.is_contiguous() and v.is_contiguous()):
-            k, v = k.contiguous(), v.contiguous()
-        ctypes.memmove(k_slot, k.data_ptr(), self.nbytes)      # the new k and v, in place
-        ctypes.memmove(v_slot, v.data_ptr(), self.nbytes)
-        q32 = q.float().contiguous()
+            wrong = k.dtype if k.dtype != self.dtype else v.dtype
+            raise RequestError(f"the new keys and values must be {self.dtype}, the cache's "
+                               f"dtype (got {wrong}): convert them first")
+        if self.rows == 1:
+            if not (k.is_contiguous() and v.is_contiguous()):
+                k, v = k.contiguous(), v.contiguous()
+            ctypes.memmove(to[0], k.data_ptr(), self.nbytes)      # the new k and v, in place
+            ctypes.memmove(to[1], v.data_ptr(), self.nbytes)
+        else:
+            to[0].index_copy_(0, to[2], k.reshape(self.kv_shape))
+            to[1].index_copy_(0, to[2], v.reshape(self.kv_shape))
+        q32 = q.reshape(self.shape).float().contiguous()
         out = torch.empty(self.shape)
         self.kernel(q32.data_ptr(), *args, out.data_ptr(), self.threads)
-        return out.to(q.dtype)
+        return out.view(q.shape).to(q.dtype)
 
 
 class FastPagedCache(FastSteps, PagedCache):
@@ -341,6 +359,16 @@ class FastPagedCache(FastSteps, PagedCache):
 
 class FastSharedPagedCache(FastSteps, SharedPagedCache):
     """Stage 6's SharedPagedCache on the speed layer."""
+
+
+def greedy_tokens(logits) -> list[int]:
+    """Each row's argmax of (B, V) logits, the first index of the largest value (of the first
+    NaN, if any), as `logits.argmax(-1).tolist()`. On a CPU, float32 goes through numpy, whose
+    argmax is vectorized where torch's is not: on SmolLM2's 49,152 logits a row, about a
+    third of the time."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return logits.detach().numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
 
 
 class FastEngine(SpeculativeEngine):
@@ -377,6 +405,14 @@ class FastEngine(SpeculativeEngine):
         finally:
             if self.threads is not None:
                 self.threads.restore()
+
+    def _sample(self, reqs, logits) -> list[int]:
+        """The engine's `_sample`, its argmax for the batch through `greedy_tokens`."""
+        tokens = greedy_tokens(logits)
+        for i, r in enumerate(reqs):
+            if r.temperature > 0:
+                tokens[i] = sample(logits[i], r.temperature, r.top_p, r.generator)
+        return tokens
 
     def new_cache(self, *args, **kwargs) -> FastSharedPagedCache:
         return FastSharedPagedCache(*args, prefix_caching=self.prefix_caching, **kwargs)
