@@ -38,9 +38,10 @@ its graph again, tens of seconds in the middle of a run: 16 requests beside the 
 fell to 9.6 tokens/s against 44.3 with the count left alone. So on a model with compiled steps
 the governor only picks among the counts its graphs were compiled for (`counts`, from
 `compile_decode(..., fewer_threads=True)`: the user's count and one fewer), and leaves a model
-compiled for the user's count alone. Measured the same way (SmolLM2 fp32, compiled, 16
-requests of at most 40 tokens), beside the busy loop the compiled engine kept 0.41 of its
-quiet rate on 2 threads and 0.65 on the one-thread graphs.
+compiled for the user's count alone. Measured the same way, compiled, 16 requests of at most
+40 tokens beside the busy loop: on 2 threads the engine kept 0.40 of its quiet rate in fp32
+and 0.31 in bf16; dropping to the one-thread graphs, 0.59-0.63 and 0.65 (batch 1, fp32: 0.32
+against 0.57), its quiet rate unchanged.
 """
 
 from __future__ import annotations
