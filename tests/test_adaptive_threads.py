@@ -1,7 +1,8 @@
 """FastEngine's adaptive thread count (minipaged/fast/threads.py): the decision from readings
 fed in by hand (cores other processes used, worked out here from the numbers given), the
 /proc/stat arithmetic against a hand-made file, and a run that drops a thread midway: the
-tokens of the no-cache forward, and the user's thread count back at the end."""
+tokens of the no-cache forward, and the user's thread count back at the end; eager, and
+compiled with graphs for one thread fewer (which the run switches to without compiling)."""
 
 import functools
 import os
@@ -11,7 +12,7 @@ import torch
 
 from conftest import greedy_reference, tiny_model
 from minipaged import UsageError, generate
-from minipaged.fast import FastEngine
+from minipaged.fast import FastEngine, FusedLlama, compile_decode
 from minipaged.fast.threads import AdaptiveThreads, busy_seconds
 
 
@@ -64,6 +65,22 @@ def test_each_core_held_costs_one_thread_never_below_one():
         assert feed(governor(4), [3.0, 3.0]) == [1, 1, 1]
         torch.set_num_threads(6)                 # more threads than cores: left alone if quiet
         assert feed(governor(4), [0.1, 1.0, 0.0]) == [6, 6, 3, 6]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_with_compiled_counts_it_picks_the_largest_allowed_else_the_smallest(two_threads):
+    g = governor(2)
+    g.counts = (2, 1)                            # a 2-core machine: the same as any count
+    assert feed(g, [0.05, 0.7, 1.0, 0.5, 0.35, 0.1, 0.0]) == [2, 2, 1, 1, 1, 1, 2, 2]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        g = governor(4)
+        g.counts = (4, 3)
+        # as in the test above, whose counts were [4, 2, 2, 3, 1, 4]: 2 and 1 were not
+        # compiled, so 3, the fewest that were
+        assert feed(g, [1.7, 1.7, 0.9, 3.9, 0.0]) == [4, 3, 3, 3, 3, 4]
     finally:
         torch.set_num_threads(before)
 
@@ -121,8 +138,9 @@ def test_turned_off_it_never_touches_the_count(two_threads, monkeypatch):
 
 
 def test_a_model_with_compiled_steps_keeps_the_users_count(two_threads, monkeypatch):
-    """Compiled graphs keep the thread count they were compiled with: the governor leaves a
-    compiled model alone, even with another process on a whole core."""
+    """A graph runs on the thread count it was compiled for (another count compiles it again):
+    the governor leaves a model compiled for the user's count alone, even with another process
+    on a whole core."""
     model = tiny_model()
     clock = iter(range(10**6))
     monkeypatch.setattr(AdaptiveThreads, "read", lambda self: (float(t := next(clock)), 2.0 * t,
@@ -139,3 +157,44 @@ def test_a_model_with_compiled_steps_keeps_the_users_count(two_threads, monkeypa
         del model.compiled
     assert got == [greedy_reference(model, p, 6) for p in ([5, 6, 7], [8, 9])]
     assert set(seen) == {2}
+
+
+def busy_from_the_second_reading(monkeypatch):
+    """Readings one second apart, another process on a whole core from the second on, a
+    reading every step (interval 0)."""
+    clock = iter(range(10**6))
+    monkeypatch.setattr(AdaptiveThreads, "read", lambda self: (float(t := next(clock)), 2.0 * t,
+                                                               float(t)))
+    monkeypatch.setattr(AdaptiveThreads, "__init__", functools.partialmethod(
+        AdaptiveThreads.__init__, interval=0.0))
+
+
+def test_a_model_compiled_for_one_thread_fewer_drops_to_it_without_compiling_again(
+        two_threads, monkeypatch):
+    """`compile_decode(..., fewer_threads=True)` compiles the graphs for 2 threads and for 1,
+    and leaves the count at 2; a busy run then takes its steps through the compiled graphs on
+    1 thread (none compiled during the run), gives the no-cache forward's tokens, and ends on
+    the user's 2 threads."""
+    model = tiny_model(dtype=torch.float32)
+    fast = FusedLlama(model)
+    assert compile_decode(fast, batches=True, fewer_threads=True) > 0
+    assert fast.compiled_threads == (2, 1) and torch.get_num_threads() == 2
+    calls = []                   # the thread count in force at each compiled step
+    one, many = fast.compiled, fast.compiled_batches
+    fast.compiled = lambda *a: calls.append(("one", torch.get_num_threads())) or one(*a)
+    fast.compiled_batches = lambda *a, **k: calls.append(("many", torch.get_num_threads())) \
+        or many(*a, **k)
+    busy_from_the_second_reading(monkeypatch)
+    prompts = [list(range(1, 19)), [5, 6], list(range(30, 45))]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    try:
+        got = generate(fast, prompts, [10, 10, 14], cache="paged", stop_tokens=[],
+                       engine_class=FastEngine, max_num_batched_tokens=64)
+    finally:
+        fast.compiled, fast.compiled_batches = one, many
+    assert got == [greedy_reference(model, p, n) for p, n in zip(prompts, [10, 10, 14])]
+    assert calls[0] == ("many", 2)                           # the prefills, before any reading
+    assert ("many", 1) in calls and ("one", 1) in calls      # both graphs, on one thread
+    assert set(calls[1:]) <= {("many", 1), ("one", 1)}
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert torch.get_num_threads() == 2

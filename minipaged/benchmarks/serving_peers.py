@@ -12,8 +12,9 @@ llama.cpp's threads spin-wait), and the CPU the idle engines used during each tu
 so nothing runs beside the engine being timed:
 
   * minipaged: `minipaged.fast`'s engine (`FastEngine` on `FusedLlama`, its steps compiled,
-    `compile_decode(fast, batches=True)`, unless --no-compile), stage 5b's token budget of 512
-    a step;
+    `compile_decode(fast, batches=True)`, unless --no-compile; with --busy, for one thread
+    fewer too, `fewer_threads=True`, so that its steps may drop a thread beside the busy loop),
+    stage 5b's token budget of 512 a step;
   * vLLM's CPU build, when --vllm-python names an interpreter that imports vllm (it pins its own
     torch and transformers, so it lives in a virtual environment of its own): greedy,
     `ignore_eos`, no prefix caching, 512 tokens a step, its threads bound to the first
@@ -71,11 +72,11 @@ VOCAB = 49152                 # SmolLM2's vocabulary: the prompts' random ids li
 
 
 # -- the engines, each in its worker process ------------------------------------------------------
-def minipaged_engine(dtype: str, threads: int, compiled: bool):
+def minipaged_engine(dtype: str, threads: int, compiled: bool, fewer_threads: bool = False):
     torch.set_num_threads(threads)
     fast = FusedLlama(load_model(packaged_model_path("smollm2"), dtype=getattr(torch, dtype)))
     if compiled:
-        compile_decode(fast, batches=True)
+        compile_decode(fast, batches=True, fewer_threads=fewer_threads)
 
     def run(requests):
         prompts, lengths = zip(*requests)
@@ -179,7 +180,8 @@ def start_workers(args, dtype: str, jobs, logs: Path, console) -> dict:
     most = max(len(job) for job in jobs)
     argv = {"minipaged": [sys.executable, "-c", "from minipaged.benchmarks.serving_peers import "
                           "work; work()", json.dumps(dict(
-        dtype=dtype, threads=args.threads, compiled=not args.no_compile))]}
+        dtype=dtype, threads=args.threads, compiled=not args.no_compile,
+        fewer_threads=args.busy))]}
     if args.vllm_python:
         argv["vLLM"] = [str(args.vllm_python), peer_worker.__file__, "vLLM", json.dumps(dict(
             folder=str(hf_folder(args.cache_dir, console)), dtype=dtype, threads=args.threads,

@@ -5,14 +5,16 @@
                     drop-in for a `Llama`
     compiled.py     compile_decode: its decode step compiled into one graph (torch.compile with
                     freezing), and with batches=True its other steps into a second one,
-                    attention left to the cache; optional, eager when it cannot
+                    attention left to the cache; with fewer_threads=True each also for one
+                    thread fewer; optional, eager when it cannot
     contiguous.py   FastContiguousCache: stage 1's contiguous cache, decode row by row over views
     paged.py        FastPagedCache, FastEngine: stage 3's paged cache with a step's bookkeeping
                     planned once for all layers, and stage 3b's C kernel for decode on a CPU
                     (and for stage 7's verify pass, a query at a time); FastEngine takes
                     every option of `minipaged.Engine`, speculative decoding included
     threads.py      AdaptiveThreads: FastEngine's steps on one thread fewer while another
-                    process holds a core (each barrier would wait for the thread sharing it)
+                    process holds a core (each barrier would wait for the thread sharing it);
+                    compiled steps only among the thread counts they were compiled for
 
 Nothing in the stages imports this package: it runs only when asked for, e.g.
 `generate(fast, prompts, n, cache="paged", engine_class=FastEngine)`.

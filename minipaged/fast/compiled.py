@@ -1,4 +1,5 @@
-"""A FusedLlama's steps compiled into graphs: `compile_decode(fast, batches=False)`.
+"""A FusedLlama's steps compiled into graphs: `compile_decode(fast, batches=False,
+fewer_threads=False)`.
 
 `torch.compile` turns a step's many small operations (norms, rotary, the SwiGLU product,
 residual adds) into a few generated C++ loops, and with `freezing` it treats the weights as
@@ -24,6 +25,15 @@ other steps through the cache's `attend`. Two graphs:
 
 Compiling takes tens of seconds a graph (`compile_decode` returns how many) and needs a C++
 compiler; if it fails, the model stays eager and a warning says why.
+
+A graph is compiled for torch's thread count: most of its loops are written for that many OpenMP
+threads (`#pragma omp parallel num_threads(N)`), and torch.compile guards every graph on the
+count (Dynamo's global-state guard), so a step run under another count compiles the graph
+again, tens of seconds in the middle of a run. `compile_decode(..., fewer_threads=True)`
+compiles each graph a second time, for one thread fewer, ahead of time: both stay in
+torch.compile's cache, the count in force picks one at each call, and `FastEngine` may then
+drop a thread while another process holds a core (`threads.py`). The model's
+`compiled_threads` names the counts its graphs exist for.
 """
 
 from __future__ import annotations
@@ -156,31 +166,40 @@ class CompiledBatches:
         return logits[0, :K].view(B, K // B, -1)
 
 
-def compile_decode(fast: FusedLlama, batches: bool = False) -> float:
+def compile_decode(fast: FusedLlama, batches: bool = False, fewer_threads: bool = False) -> float:
     """Compile `fast`'s decode step of one sequence now, and with `batches` its step for
-    everything else on a cache (compiled.py's docstring), on throwaway caches; returns the
-    seconds it took (NaN if it failed: `fast` stays eager). Later steps of `fast` run
-    compiled."""
+    everything else on a cache (compiled.py's docstring), on throwaway caches, for torch's
+    thread count and with `fewer_threads` for one thread fewer too; returns the seconds it
+    took (NaN if it failed: `fast` stays eager). Later steps of `fast` run compiled, and
+    `fast.compiled_threads` holds the thread counts compiled for."""
     p = next(fast.parameters())
+    threads = torch.get_num_threads()
+    counts = (threads, threads - 1) if fewer_threads and threads > 1 else (threads,)
     start = time.perf_counter()
     try:
         step = CompiledDecode(fast)
-        with torch.inference_mode():
-            cache = ContiguousCache(fast.args, 1, 1, device=p.device, dtype=p.dtype)
-            cache.prepare([0], 1)
-            step(torch.zeros(1, 1, dtype=torch.long, device=p.device),
-                 cache.positions.to(p.device), cache)
-            if batches:
-                many = CompiledBatches(fast)
-                cache = ContiguousCache(fast.args, 2, 3, device=p.device, dtype=p.dtype)
-                cache.prepare([0, 1], 3)            # 6 tokens, 4 of them kept: sizes apart
-                many(torch.zeros(2, 3, dtype=torch.long, device=p.device),
-                     cache.positions.to(p.device), cache,
-                     logits_indices=torch.tensor([1, 2]))
+        many = CompiledBatches(fast) if batches else None
+        for count in counts:         # one graph per count, each kept in torch.compile's cache
+            torch.set_num_threads(count)
+            with torch.inference_mode():
+                cache = ContiguousCache(fast.args, 1, 1, device=p.device, dtype=p.dtype)
+                cache.prepare([0], 1)
+                step(torch.zeros(1, 1, dtype=torch.long, device=p.device),
+                     cache.positions.to(p.device), cache)
+                if batches:
+                    cache = ContiguousCache(fast.args, 2, 3, device=p.device, dtype=p.dtype)
+                    cache.prepare([0, 1], 3)            # 6 tokens, 4 of them kept: sizes apart
+                    many(torch.zeros(2, 3, dtype=torch.long, device=p.device),
+                         cache.positions.to(p.device), cache,
+                         logits_indices=torch.tensor([1, 2]))
     except Exception as e:               # no C++ compiler, an unsupported op...: stay eager
         log.warning("could not compile the decode step (%s: %s); running it eager",
                     type(e).__name__, e)
         fast.compiled = fast.compiled_batches = None
+        fast.compiled_threads = ()
         return float("nan")
-    fast.compiled, fast.compiled_batches = step, many if batches else None
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+    fast.compiled, fast.compiled_batches, fast.compiled_threads = step, many, counts
     return time.perf_counter() - start

@@ -97,6 +97,7 @@ class FusedLlama(nn.Module):
         self.rope_freqs = model.rope_freqs
         self.compiled = None     # set by `compile_decode` (compiled.py): the decode step
         self.compiled_batches = None    # and with batches=True: every other step on a cache
+        self.compiled_threads = ()      # the thread counts those graphs were compiled for
 
     def forward(self, tokens, cache=None, last_only: bool = False, logits_indices=None):
         """As `Llama.forward`: logits (B, T, vocab) float32, (B, 1, vocab) with `last_only`,

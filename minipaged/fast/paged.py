@@ -353,6 +353,15 @@ class DecodeAttention:
         return out.view(q.shape).to(q.dtype)
 
 
+def compiled_thread_counts(model):
+    """None for a model whose steps run eager (any thread count will do); else the thread
+    counts its compiled graphs exist for, the user's first (none known: empty)."""
+    if getattr(model, "compiled", None) is None and \
+            getattr(model, "compiled_batches", None) is None:
+        return None
+    return tuple(getattr(model, "compiled_threads", ()))
+
+
 class FastPagedCache(FastSteps, PagedCache):
     """Stage 3's PagedCache on the speed layer."""
 
@@ -376,9 +385,9 @@ class FastEngine(SpeculativeEngine):
     layer's cache. With `adaptive_threads` (the default), a step runs on one thread fewer for
     each core another process holds, and a run ends on the user's thread count (`threads.py`:
     beside a busy core, every barrier of a step otherwise waits for the thread sharing it).
-    Not on a model with compiled steps (`compile_decode`): their loops keep the count they were
-    compiled with, and changing torch's count under them made steps collapse (SmolLM2 fp32,
-    16 requests beside a busy loop: 9.6 tokens/s against 44.3 with the count left alone)."""
+    On a model with compiled steps (`compile_decode`), only among the thread counts its graphs
+    were compiled for (`compile_decode(..., fewer_threads=True)` adds one fewer than the
+    user's): a step under any other count would compile its graph again, mid-run."""
 
     def __init__(self, *args, adaptive_threads: bool = True, **options):
         check_flag("adaptive_threads", adaptive_threads)
@@ -386,9 +395,14 @@ class FastEngine(SpeculativeEngine):
         self.threads = AdaptiveThreads() if adaptive_threads else None
 
     def step(self):
-        if self.threads is None or getattr(self.model, "compiled", None) is not None or \
-                getattr(self.model, "compiled_batches", None) is not None:
+        if self.threads is None:
             return super().step()
+        counts = compiled_thread_counts(self.model)
+        if counts is not None:
+            user = self.threads.user_threads or torch.get_num_threads()
+            if len(counts) < 2 or counts[0] != user:
+                return super().step()     # graphs for the user's count alone, or not for it
+        self.threads.counts = counts
         self.threads.tick()
         try:
             finished = super().step()

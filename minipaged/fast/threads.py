@@ -32,11 +32,16 @@ core comes back. The gap between the two thresholds keeps it from flapping. The 
 never goes above the one the user set, nor below 1, and `restore` puts the user's count back
 when a run ends.
 
-What it does not reach: graphs compiled by `compile_decode` bake the thread count they were
-compiled with into their loops (`#pragma omp parallel num_threads(N)`), and changing torch's
-count under them made steps collapse (16 requests beside the busy loop: 9.6 tokens/s against
-44.3 with the count left alone), so `FastEngine` leaves a model with compiled steps at the
-user's count.
+Compiled steps. torch.compile guards each graph on the thread count it was compiled for (a
+graph's loops are written for that many threads), so a step run under another count compiles
+its graph again, tens of seconds in the middle of a run: 16 requests beside the busy loop
+fell to 9.6 tokens/s against 44.3 with the count left alone. So on a model with compiled steps
+the governor only picks among the counts its graphs were compiled for (`counts`, from
+`compile_decode(..., fewer_threads=True)`: the user's count and one fewer), and leaves a model
+compiled for the user's count alone. Measured the same way, compiled, 16 requests of at most
+40 tokens beside the busy loop: on 2 threads the engine kept 0.40 of its quiet rate in fp32
+and 0.31 in bf16; dropping to the one-thread graphs, 0.59-0.63 and 0.65 (batch 1, fp32: 0.32
+against 0.57), its quiet rate unchanged.
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ class AdaptiveThreads:
 
     def __init__(self, interval: float = 0.5, drop_at: float = 0.6, rise_at: float = 0.3):
         self.interval, self.drop_at, self.rise_at = interval, drop_at, rise_at
+        self.counts = None           # the thread counts allowed (compiled graphs'); None: any
         self.cpus = cpus_allowed()
         self.user_threads = None     # the count the user set, while a run is on
         self.held = 0                # cores counted as held by other processes
@@ -124,10 +130,15 @@ class AdaptiveThreads:
 
     def threads(self) -> int:
         """The user's count on a quiet machine; else the cores left free, at most the user's
-        count and at least 1."""
+        count and at least 1; with `counts`, the largest of them no more than that, else
+        the smallest of them."""
         if self.held == 0:
             return self.user_threads
-        return max(1, min(self.user_threads, len(self.cpus) - self.held))
+        free = max(1, min(self.user_threads, len(self.cpus) - self.held))
+        if self.counts is None:
+            return free
+        fewer = [n for n in self.counts if n <= free]
+        return max(fewer) if fewer else min(self.counts, default=self.user_threads)
 
     def restore(self) -> None:
         """The run is over: the user's thread count back, and a fresh start for the next run."""
