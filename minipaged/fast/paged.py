@@ -46,7 +46,6 @@ from ..chunked_engine import PackedBatch
 from ..cpu_attention import KV_TYPES, build, decode_attention, why_not_cpu
 from ..errors import RequestError
 from ..paged_cache import PagedCache
-from ..sampling import sample
 from ..sharing import SharedPagedCache
 from ..speculative import SpeculativeEngine
 from .contiguous import attend_rows, upcast
@@ -421,12 +420,10 @@ class FastEngine(SpeculativeEngine):
                 self.threads.restore()
 
     def _sample(self, reqs, logits) -> list[int]:
-        """The engine's `_sample`, its argmax for the batch through `greedy_tokens`."""
-        tokens = greedy_tokens(logits)
-        for i, r in enumerate(reqs):
-            if r.temperature > 0:
-                tokens[i] = sample(logits[i], r.temperature, r.top_p, r.generator)
-        return tokens
+        """The engine's `_sample`; a batch of greedy requests only through `greedy_tokens`."""
+        if any(r.temperature > 0 for r in reqs):
+            return super()._sample(reqs, logits)
+        return greedy_tokens(logits)
 
     def new_cache(self, *args, **kwargs) -> FastSharedPagedCache:
         return FastSharedPagedCache(*args, prefix_caching=self.prefix_caching, **kwargs)
