@@ -302,8 +302,8 @@ def one_pass(workers, jobs, order, idle, busy_core=None):
     loop = busy_loop(busy_core) if busy_core is not None else None
     try:
         results = measure(workers, jobs, order, idle)
-        others = (machine_busy_seconds() - machine - cpu_seconds(os.getpid()) + ours) / \
-            (time.perf_counter() - start)
+        others = max(0.0, (machine_busy_seconds() - machine - cpu_seconds(os.getpid()) + ours) /
+                     (time.perf_counter() - start))     # clock ticks may round a hair below 0
     finally:
         if loop:
             loop.kill()
