@@ -54,12 +54,16 @@ def serve_jobs(say, run, version: str) -> None:
 
 
 def vllm_engine(folder: str, dtype: str, threads: int, max_num_seqs: int, max_model_len: int,
-                max_num_batched_tokens: int):
+                max_num_batched_tokens: int, one_process: bool = False):
     """vLLM's offline engine on a Hugging Face folder: greedy, every request to its length
     (`ignore_eos`), no prefix caching, its OpenMP threads bound to the first `threads` cores,
-    1 GiB of KV cache. Token ids in and out, so no tokenizer is loaded."""
+    1 GiB of KV cache. Token ids in and out, so no tokenizer is loaded. By default vLLM runs
+    its engine core in a process of its own beside the one that called it, as `vllm serve`
+    does; `one_process` keeps both in one (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)."""
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if one_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm
 
     llm = vllm.LLM(folder, dtype=dtype, enable_prefix_caching=False, seed=0,

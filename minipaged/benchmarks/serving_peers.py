@@ -19,7 +19,10 @@ so nothing runs beside the engine being timed:
     torch and transformers, so it lives in a virtual environment of its own): greedy,
     `ignore_eos`, no prefix caching, 512 tokens a step, its threads bound to the first
     --threads cores. It reads a Hugging Face folder, which this program writes once into
-    --cache-dir from the GGUF (transformers dequantizes it);
+    --cache-dir from the GGUF (transformers dequantizes it). It runs twice over: "vLLM" as
+    vLLM starts by default and as `vllm serve` runs, its engine core in a process of its own
+    beside the caller's; "vLLM in-process" with both in one process
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), which on a machine of few cores is the faster;
   * llama.cpp (when `llama_cpp`, llama-cpp-python, imports): its C API, as `llama-server
     --parallel N` serves: every request a sequence of one unified KV cache, and each step one
     `llama_batch` of every running sequence's next token and prompt tokens in chunks, 512 tokens
@@ -33,7 +36,7 @@ time, prefill included. Batch 1: one prompt's decode rate, (--new-tokens - 1) to
 time a run of --new-tokens takes beyond a run of one token.
 
 Each of --runs rows is printed with the load average before it and the CPU other programs used
-during it, with the ratios minipaged / vLLM and minipaged / llama.cpp. The greedy tokens are
+during it, with minipaged's rate over each peer's ("mp / vLLM"...). The greedy tokens are
 compared (requests equal from first to last token, and tokens before the first difference).
 --busy runs every job again with one more CPU-bound process beside the engine: a Python busy
 loop pinned to the last of the --threads cores.
@@ -67,7 +70,8 @@ from .serving import sharegpt_like_trace
 from .smollm2 import LLAMA_CPP_TYPES, cache_folder, llama_cpp, llama_cpp_file
 
 BUDGET = peer_worker.BUDGET   # tokens a step may run: max_num_batched_tokens, llama.cpp's n_batch
-ENGINES = ("minipaged", "vLLM", "llama.cpp")
+ENGINES = ("minipaged", "vLLM", "vLLM in-process", "llama.cpp")
+PEERS = ENGINES[1:]
 VOCAB = 49152                 # SmolLM2's vocabulary: the prompts' random ids lie below it
 
 
@@ -183,9 +187,11 @@ def start_workers(args, dtype: str, jobs, logs: Path, console) -> dict:
         dtype=dtype, threads=args.threads, compiled=not args.no_compile,
         fewer_threads=args.busy))]}
     if args.vllm_python:
-        argv["vLLM"] = [str(args.vllm_python), peer_worker.__file__, "vLLM", json.dumps(dict(
-            folder=str(hf_folder(args.cache_dir, console)), dtype=dtype, threads=args.threads,
-            max_num_seqs=most, max_model_len=longest, max_num_batched_tokens=BUDGET))]
+        for name, one_process in (("vLLM", False), ("vLLM in-process", True)):
+            argv[name] = [str(args.vllm_python), peer_worker.__file__, "vLLM", json.dumps(dict(
+                folder=str(hf_folder(args.cache_dir, console)), dtype=dtype,
+                threads=args.threads, max_num_seqs=most, max_model_len=longest,
+                max_num_batched_tokens=BUDGET, one_process=one_process))]
     if llama_cpp is not None:
         path = llama_cpp_file(packaged_model_path("smollm2"),
                               LLAMA_CPP_TYPES[getattr(torch, dtype)], args.cache_dir, console)
@@ -323,7 +329,7 @@ def agreement(a, b) -> tuple[int, int, int]:
 
 def agreement_lines(dtype, job, by_engine) -> list[str]:
     lines = []
-    for peer in ("vLLM", "llama.cpp"):
+    for peer in PEERS:
         if peer in by_engine:
             same, before, total = agreement(by_engine["minipaged"], by_engine[peer])
             lines.append(f"greedy tokens, {dtype}, {job}: minipaged and {peer} agree on {same} "
@@ -444,15 +450,14 @@ def report(console, rows, idle, versions, args) -> None:
     present = [e for e in ENGINES if any(e in r["rates"] for r in rows)]
     table = Table(title=f"tokens/s, SmolLM2-135M-Instruct, {args.threads} threads, greedy; "
                         f"ShareGPT-like lengths / {args.scale:g}, requests arriving together")
-    for col in ("run", "dtype", "job", "load", "others", *present, "mp / vLLM",
-                "mp / llama.cpp"):
+    for col in ("run", "dtype", "job", "load", "others", *present,
+                *(f"mp / {peer}" for peer in present[1:])):
         table.add_column(col, justify="left" if col in ("dtype", "job") else "right")
     for r in rows:
         table.add_row(str(r["run"]), r["dtype"], r["job"] + (", busy" if r["busy"] else ""),
                       f"{r['load']:.2f}", f"{r['others']:.2f}",
                       *(f"{r['rates'][e]:.1f}" if e in r["rates"] else "-" for e in present),
-                      ratio(r["rates"], "minipaged", "vLLM"),
-                      ratio(r["rates"], "minipaged", "llama.cpp"))
+                      *(ratio(r["rates"], "minipaged", peer) for peer in present[1:]))
     console.print(table)
     console.print("load: the 1-minute load average before the run; others: cores' worth of CPU "
                   "that processes other than this benchmark's used during the run; mp: minipaged")
@@ -463,7 +468,7 @@ def report(console, rows, idle, versions, args) -> None:
     for r in rows:
         groups[r["dtype"], r["job"], r["busy"]].append(r["rates"])
     for (dtype, job, busy), rates in groups.items():
-        for peer in ("vLLM", "llama.cpp"):
+        for peer in PEERS:
             ratios = [x["minipaged"] / x[peer] for x in rates if peer in x]
             if ratios:
                 console.print(f"{dtype}, {job}{', busy' if busy else ''}: minipaged / {peer} "
