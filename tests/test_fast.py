@@ -18,13 +18,15 @@ from minipaged import generate
 from minipaged import OutOfBlocksError, RequestError
 from minipaged.cache_manager import CacheManager
 from minipaged.fast import FastContiguousCache, FastEngine, FastPagedCache, FusedLlama, compile_decode
+from minipaged.fast.paged import FastSharedPagedCache
+from minipaged.sharing import SharedPagedCache
 from minipaged.fast import paged as fast_paged
 from minipaged.fast.paged import share_bookkeeping
 from minipaged.fast import compiled as compiled_module
 from minipaged.fast import matvec
 from minipaged.fast.matvec import MatVec
 from minipaged.kv_cache import ContiguousCache
-from minipaged.paged_cache import generate_paged
+from minipaged.paged_cache import PagedCache, generate_paged
 
 PROMPTS = [[5, 9, 2, 77, 31], [100, 3], list(range(40, 70))]
 
@@ -514,6 +516,64 @@ def test_a_steps_stacked_tables_are_each_layers_own_under_random_steps():
             assert m.num_blocks_held[ids].tolist() == [-(-live[s] // 4) for s in ids]
         assert cache.plan.block_tables is cache.block_tables
     assert len({tuple(m.block_table.flatten().tolist()) for m in cache.managers}) > 1
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["stage 3", "stage 6"])
+def test_a_step_takes_the_blocks_stage_3s_prepare_takes_under_random_steps(shared):
+    """The speed layer's prepare sends only the rows that take a block through every layer's
+    allocator. Driven side by side with the stage's own cache (the same seed, so the same
+    random blocks), through steps where some rows cross a block boundary and others do not,
+    forks whose shared last blocks are copied on write, frees and refusals, every layer's
+    table, lengths and reference counts stay the stage's, and a refused step changes
+    nothing in either."""
+    rng = random.Random(1)
+    args = tiny_model().args
+    kinds = (SharedPagedCache, FastSharedPagedCache) if shared else (PagedCache, FastPagedCache)
+    ref, fast = (kind(args, num_blocks=18, block_size=4, max_seqs=6, max_seq_len=40)
+                 for kind in kinds)
+    live, refusals, crossing_steps = {}, 0, 0
+    for _ in range(400):
+        op = rng.random()
+        if live and (op < 0.1 or max(live.values()) > 36):
+            s = rng.choice(sorted(live)) if op < 0.1 else max(live, key=live.get)
+            ref.free(s), fast.free(s)
+            del live[s]
+            continue
+        free = [s for s in range(6) if s not in live]
+        if shared and live and free and op < 0.25:
+            parent, child = rng.choice(sorted(live)), free[0]
+            ref.fork(parent, child), fast.fork(parent, child)
+            live[child] = live[parent]
+            continue
+        if free and (not live or op < 0.4):        # a new sequence: its prompt
+            ids, n = free[:1], rng.randint(1, 9)
+        else:                                       # running ones: decode, or a few tokens
+            ids = sorted(rng.sample(sorted(live), k=rng.randint(1, len(live))))
+            n = rng.choice([1, 1, 1, 2, 3])
+        results = []
+        for cache in (ref, fast):
+            try:
+                cache.prepare(ids, n)
+                results.append("ok")
+            except (OutOfBlocksError, RequestError) as e:
+                results.append(type(e).__name__)
+        assert results[0] == results[1]
+        if results[0] == "ok":
+            crossing_steps += any(live.get(s, 0) % 4 == 0 or live.get(s, 0) % 4 + n > 4
+                                  for s in ids)
+            for s in ids:
+                live[s] = live.get(s, 0) + n
+        else:
+            refusals += 1
+        for layer, (a, b) in enumerate(zip(ref.managers, fast.managers)):
+            assert torch.equal(a.block_table, b.block_table), layer
+            assert torch.equal(a.seq_lens, b.seq_lens), layer
+            assert a.num_free_blocks == b.num_free_blocks, layer
+            if shared:
+                assert (a.refs == b.refs).all(), layer
+        if results[0] == "ok":
+            assert fast.plan.cache_seqlens.tolist() == [live[s] - n for s in ids]
+    assert refusals > 5 and crossing_steps > 50, (refusals, crossing_steps)
 
 
 def test_a_manager_refuses_a_block_table_of_the_wrong_shape_or_type():

@@ -230,14 +230,26 @@ class FastSteps:
         self._implementation = None       # the backend serving this step, once chosen
 
     def prepare(self, seq_ids, num_new_tokens: int) -> None:
-        """Stage 3's prepare; when no block changes hands in any layer (most decode steps), the
-        lengths of all layers advance at once instead."""
+        """Stage 3's prepare, but only the rows that take a block this step (their last block
+        fills up, or is shared and copied first) go through every layer's allocator; the
+        lengths of the others advance in all layers at once. Most decode steps have none or a
+        few such rows among many."""
         ids, n, first = check_step_ids(self, seq_ids), check_count(num_new_tokens), \
             self.managers[0]
-        if not all(s in first for s in ids) or first.blocks_needed(ids, n):
+        if not all(s in first for s in ids):
             return super().prepare(ids, n)
-        check_step_room(self, 0, int(self._lens[0, ids].max()) + n)
-        self._lens[:, ids] += n
+        lens = self._lens[0, ids]
+        fills = first._held[ids] * self.block_size < lens + n                     # (B,)
+        taking = [s for s, f in zip(ids, fills.tolist()) if f]
+        rest = [s for s, f in zip(ids, fills.tolist()) if not f]
+        if rest and first.blocks_needed(rest, n):     # a copy-on-write: stage 3's way
+            return super().prepare(ids, n)
+        check_step_room(self, first.blocks_needed(taking, n) if taking else 0,
+                        int(lens.max()) + n)          # before any layer changes
+        if taking:
+            for m in self.managers:
+                m.grow(taking, n)
+        self._lens[:, rest] += n
         self.set_step(ids, n)
 
     def set_step(self, seq_ids, num_new_tokens: int) -> None:
