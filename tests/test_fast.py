@@ -334,6 +334,50 @@ def test_the_compiled_batch_step_serves_every_step_and_gives_the_references(batc
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # none compiled anew
 
 
+def test_the_compiled_bf16_batch_step_stays_within_bf16_rounding_at_every_size():
+    """In bf16 the compiler writes the batch step's products itself, one kernel for any number
+    of rows. Steps of 1 to 33 rows (prompts of 3 tokens, then one decode token each) through
+    the compiled graph land as close to the float64 model as the eager bf16 forward does."""
+    exact = tiny_model(dtype=torch.float64)
+    fast = FusedLlama(tiny_model(dtype=torch.bfloat16))
+    assert compile_decode(fast, batches=True) > 0
+    assert fast.compiled_batches.options is compiled_module.OPTIONS    # the compiler's own
+    gen = torch.Generator().manual_seed(5)
+    for rows in (1, 2, 7, 16, 33):
+        tokens = torch.randint(0, 512, (rows, 4), generator=gen)
+        want = exact(tokens)[:, -1]                                      # (rows, vocab)
+        errors = []
+        for compiled in (True, False):
+            cache = ContiguousCache(fast.args, rows, 8, dtype=torch.bfloat16)
+            cache.prepare(list(range(rows)), 3)
+            positions = cache.positions
+            step = fast if compiled else lambda t, c: fast.run(t, c.positions, c)
+            with torch.inference_mode():               # as generate runs: weights frozen
+                step(tokens[:, :3], cache)                               # the prompts
+                cache.prepare(list(range(rows)), 1)
+                got = step(tokens[:, 3:], cache)[:, -1]                  # one decode row each
+            errors.append((got.double() - want).abs().max().item())
+        assert positions.shape == (rows, 3)
+        assert errors[0] <= 2 * errors[1] + 0.05, (rows, errors)
+
+
+def test_a_batch_step_whose_products_the_compiler_cannot_write_gets_onednns(monkeypatch,
+                                                                            caplog):
+    """Where inductor has no kernel of its own for the products (here: asked for its own only,
+    without freezing, whose constant weights its kernels need), the batch step is compiled
+    again with oneDNN's instead of staying eager."""
+    monkeypatch.setattr(compiled_module, "batch_options", lambda dtype: {
+        "freezing": False, "max_autotune": True, "max_autotune_gemm_backends": "CPP"})
+    model = tiny_model(dtype=torch.float32)
+    fast = FusedLlama(model)
+    with caplog.at_level(logging.INFO, logger=compiled_module.__name__):
+        assert compile_decode(fast, batches=True) > 0
+    assert fast.compiled_batches.options is compiled_module.ONEDNN
+    assert "the batch step's products go to oneDNN" in caplog.text
+    assert generate(fast, PROMPTS, 5, cache="paged", stop_tokens=[], max_seq_len=64,
+                    block_size=4) == [greedy_reference(model, p, 5) for p in PROMPTS]
+
+
 @pytest.mark.parametrize("budget", [None, 64])
 def test_batch_decode_steps_on_the_fast_engine_attend_through_one_plan_a_step(batches_pair,
                                                                              monkeypatch, budget):

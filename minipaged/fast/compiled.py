@@ -21,7 +21,9 @@ other steps through the cache's `attend`. Two graphs:
     rows, a prompt, a packed step, its tokens laid out in one row as vLLM lays out a step and
     their number symbolic, so one graph serves every size (on SmolLM2 in bf16, a decode step
     of 16 rows took 35 ms against 50 ms eager: eager, the norms, rotary and SwiGLU are dozens
-    of separate passes, each paying its own call).
+    of separate passes, each paying its own call). In bf16 its products are written by the
+    compiler too, for any number of rows; in fp32 they are oneDNN's, packed under freezing
+    (`batch_options`, where the measurements are).
 
 Compiling takes tens of seconds a graph (`compile_decode` returns how many) and needs a C++
 compiler; if it fails, the model stays eager and a warning says why.
@@ -133,12 +135,11 @@ class CompiledBatches:
     """The compiled step of a FusedLlama for every other step on a cache: a batch of decode
     rows, a prompt, stage 5b's packed steps. `(tokens (B, T), positions, cache, last_only,
     logits_indices) -> logits`, as `FusedLlama.forward`. One graph, the number of tokens and of
-    kept rows symbolic (`dynamic=True`): no step compiles again."""
+    kept rows symbolic (`dynamic=True`): no step compiles again. `options`: inductor's, as
+    `batch_options` gives them."""
 
-    OPTIONS = {"freezing": True}       # freezing alone: oneDNN's packed products, for any rows
-
-    def __init__(self, fast: FusedLlama):
-        self.fast = fast
+    def __init__(self, fast: FusedLlama, options: dict):
+        self.fast, self.options = fast, options
         self.step = torch.compile(BatchStep(fast), dynamic=True)
 
     def __call__(self, tokens, positions, cache, last_only=False, logits_indices=None):
@@ -159,11 +160,36 @@ class CompiledBatches:
         # stage 5b's packed step of decode rows alone): its attention worked out once
         _caches.append((decode_attention_of(cache) or cache, B, T))
         try:
-            with inductor_config.patch(self.OPTIONS):
+            with inductor_config.patch(self.options):
                 logits = self.step(tokens.reshape(1, B * T), cos, sin, keep)   # (1, K', vocab)
         finally:
             _caches.pop()
         return logits[0, :K].view(B, K // B, -1)
+
+
+ONEDNN = {"freezing": True}      # freezing alone: oneDNN's packed products, for any rows
+
+
+def batch_options(dtype: torch.dtype) -> dict:
+    """How the batch step's products are compiled. In bf16 inductor writes them (its AMX or
+    AVX-512 kernels, one for any number of rows): on SmolLM2 a decode step of 4 rows took 15 ms
+    against 19 through oneDNN, of 64 rows 34 against 38. In fp32 its products lost from 8 rows
+    up (64 rows: 163 ms against 97), so fp32 keeps oneDNN's."""
+    return OPTIONS if dtype == torch.bfloat16 else ONEDNN
+
+
+def compile_batches(fast: FusedLlama, counts, options: dict) -> CompiledBatches:
+    """`fast`'s batch step compiled, for each thread count, on a throwaway cache."""
+    p = next(fast.parameters())
+    many = CompiledBatches(fast, options)
+    for count in counts:
+        torch.set_num_threads(count)
+        with torch.inference_mode():
+            cache = ContiguousCache(fast.args, 2, 3, device=p.device, dtype=p.dtype)
+            cache.prepare([0, 1], 3)                    # 6 tokens, 4 of them kept: sizes apart
+            many(torch.zeros(2, 3, dtype=torch.long, device=p.device),
+                 cache.positions.to(p.device), cache, logits_indices=torch.tensor([1, 2]))
+    return many
 
 
 def compile_decode(fast: FusedLlama, batches: bool = False, fewer_threads: bool = False) -> float:
@@ -178,7 +204,6 @@ def compile_decode(fast: FusedLlama, batches: bool = False, fewer_threads: bool 
     start = time.perf_counter()
     try:
         step = CompiledDecode(fast)
-        many = CompiledBatches(fast) if batches else None
         for count in counts:         # one graph per count, each kept in torch.compile's cache
             torch.set_num_threads(count)
             with torch.inference_mode():
@@ -186,12 +211,15 @@ def compile_decode(fast: FusedLlama, batches: bool = False, fewer_threads: bool 
                 cache.prepare([0], 1)
                 step(torch.zeros(1, 1, dtype=torch.long, device=p.device),
                      cache.positions.to(p.device), cache)
-                if batches:
-                    cache = ContiguousCache(fast.args, 2, 3, device=p.device, dtype=p.dtype)
-                    cache.prepare([0, 1], 3)            # 6 tokens, 4 of them kept: sizes apart
-                    many(torch.zeros(2, 3, dtype=torch.long, device=p.device),
-                         cache.positions.to(p.device), cache,
-                         logits_indices=torch.tensor([1, 2]))
+        many, options = None, batch_options(p.dtype)
+        if batches:
+            try:
+                many = compile_batches(fast, counts, options)
+            except Exception as e:   # shapes the compiler writes no product for: oneDNN's
+                if options is ONEDNN:
+                    raise
+                log.info("the batch step's products go to oneDNN (%s)", type(e).__name__)
+                many = compile_batches(fast, counts, ONEDNN)
     except Exception as e:               # no C++ compiler, an unsupported op...: stay eager
         log.warning("could not compile the decode step (%s: %s); running it eager",
                     type(e).__name__, e)
