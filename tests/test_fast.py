@@ -378,6 +378,26 @@ def test_a_batch_step_whose_products_the_compiler_cannot_write_gets_onednns(monk
                     block_size=4) == [greedy_reference(model, p, 5) for p in PROMPTS]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_compiled_steps_called_with_gradients_on_run_the_graphs_compiled(dtype):
+    """A compiled model called as a user might call it, gradients on (no inference_mode), runs
+    the graphs compile_decode compiled, one sequence's and a batch's, compiling nothing more,
+    and gives what it gives under inference_mode."""
+    fast = FusedLlama(tiny_model(dtype=dtype))
+    assert compile_decode(fast, batches=True) > 0
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    tokens = torch.randint(0, 512, (2, 3), generator=torch.Generator().manual_seed(6))
+    for rows, count in ((1, 1), (2, 3)):
+        got = []
+        for mode in (torch.enable_grad, torch.inference_mode):
+            cache = ContiguousCache(fast.args, rows, 8, dtype=dtype)
+            cache.prepare(list(range(rows)), count)
+            with mode():
+                got.append(fast(torch.tensor(tokens[:rows, :count].tolist()), cache))
+        assert torch.equal(got[0], got[1])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
 @pytest.mark.parametrize("budget", [None, 64])
 def test_batch_decode_steps_on_the_fast_engine_attend_through_one_plan_a_step(batches_pair,
                                                                              monkeypatch, budget):

@@ -83,6 +83,16 @@ def _(q, k, v, layer):
     return q.new_empty(q.shape)
 
 
+def inference_tensors(*tensors) -> list:
+    """A step's inputs as its graph was compiled for them. Every compiled step runs in inference
+    mode whatever the caller's (its `__call__` is decorated so): the graphs are compiled in it,
+    where freezing makes the weights constants, and torch.compile guards each graph on the mode
+    and on whether each input is an inference tensor. Called with gradients on, a step was
+    compiled again, without freezing, and the products inductor writes need constant weights:
+    it failed. A tensor made with gradients on is copied (a step's few token ids)."""
+    return [t if t.is_inference() else t.clone() for t in tensors]
+
+
 class DecodeStep(nn.Module):
     """A FusedLlama's forward with attention through `minipaged::attend`: what gets compiled
     (a module, so that freezing finds its weights)."""
@@ -104,7 +114,9 @@ class CompiledDecode:
     def __init__(self, fast: FusedLlama):
         self.step = torch.compile(DecodeStep(fast), dynamic=False)
 
+    @torch.inference_mode()
     def __call__(self, tokens, positions, cache):
+        tokens, positions = inference_tensors(tokens, positions)
         # on the speed layer's paged cache, the step's attention worked out once for all layers
         _caches.append((decode_attention_of(cache) or cache, 1, 1))
         try:   # the options must hold whenever inductor compiles (torch.compile's `options=`
@@ -142,7 +154,9 @@ class CompiledBatches:
         self.fast, self.options = fast, options
         self.step = torch.compile(BatchStep(fast), dynamic=True)
 
+    @torch.inference_mode()
     def __call__(self, tokens, positions, cache, last_only=False, logits_indices=None):
+        tokens, positions = inference_tensors(tokens, positions)
         B, T = tokens.shape
         if last_only:
             rows = torch.tensor([T - 1])
