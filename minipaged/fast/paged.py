@@ -230,10 +230,10 @@ class FastSteps:
         self._implementation = None       # the backend serving this step, once chosen
 
     def prepare(self, seq_ids, num_new_tokens: int) -> None:
-        """Stage 3's prepare, but only the rows that take a block this step (their last block
-        fills up, or is shared and copied first) go through every layer's allocator; the
-        lengths of the others advance in all layers at once. Most decode steps have none or a
-        few such rows among many."""
+        """Stage 3's prepare, but only the rows whose last block fills up this step go through
+        every layer's allocator; the lengths of the others advance in all layers at once (most
+        decode steps have none or a few such rows among many). A step in which another row
+        would first copy a shared block goes stage 3's way whole."""
         ids, n, first = check_step_ids(self, seq_ids), check_count(num_new_tokens), \
             self.managers[0]
         if not all(s in first for s in ids):
