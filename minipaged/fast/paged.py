@@ -238,14 +238,13 @@ class FastSteps:
             self.managers[0]
         if not all(s in first for s in ids):
             return super().prepare(ids, n)
-        lens = self._lens[0, ids]
-        fills = first._held[ids] * self.block_size < lens + n                     # (B,)
-        taking = [s for s, f in zip(ids, fills.tolist()) if f]
-        rest = [s for s, f in zip(ids, fills.tolist()) if not f]
+        taking, _, _ = first._crossing(np.asarray(ids), n)    # rows whose last block fills up
+        taken = set(taking)
+        rest = [s for s in ids if s not in taken]
         if rest and first.blocks_needed(rest, n):     # a copy-on-write: stage 3's way
             return super().prepare(ids, n)
         check_step_room(self, first.blocks_needed(taking, n) if taking else 0,
-                        int(lens.max()) + n)          # before any layer changes
+                        int(self._lens[0, ids].max()) + n)      # before any layer changes
         if taking:
             for m in self.managers:
                 m.grow(taking, n)
