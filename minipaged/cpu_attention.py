@@ -57,30 +57,36 @@ def compiler() -> str | None:
 def build(dtype: torch.dtype, head_dim: int, group: int):
     """The compiled `paged_attention_decode` for keys and values of `dtype`, or a sentence
     saying why it could not be built."""
+    kernel = build_function(SOURCE, "paged_attention_decode",
+                            [f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", *KV_TYPES[dtype]])
+    if not isinstance(kernel, str):
+        P, I = ctypes.c_void_p, ctypes.c_int
+        kernel.argtypes = [P, P, P, P, ctypes.c_int64, P, I, I, I, ctypes.c_float, P, I]
+        kernel.restype = None
+    return kernel
+
+
+def build_function(source: Path, name: str, defines=(), flags=FLAGS):
+    """The C function `name` of `source`, compiled with `defines` by the machine's compiler, the
+    first line of `flags` that builds it winning; or a sentence saying why none could."""
     cc = compiler()
     if cc is None:
         return "no C compiler was found (set CC, or install gcc or clang)"
-    defines = [f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", *KV_TYPES[dtype]]
     error = ""
     # (a system that cannot delete a loaded library, Windows, keeps the folder rather than fail)
     with tempfile.TemporaryDirectory(prefix="minipaged-", ignore_cleanup_errors=True) as tmp:
         obj, lib = Path(tmp, "kernel.o"), Path(tmp, "kernel.so")
-        for cflags, ldflags in FLAGS:
-            steps = [[cc, *cflags, "-fPIC", *defines, "-c", str(SOURCE), "-o", str(obj)],
+        for cflags, ldflags in flags:
+            steps = [[cc, *cflags, "-fPIC", *defines, "-c", str(source), "-o", str(obj)],
                      [cc, "-shared", str(obj), "-o", str(lib), *ldflags, "-lm"]]
             try:
                 for step in steps:
                     subprocess.run(step, check=True, capture_output=True, text=True, timeout=120)
-                kernel = ctypes.CDLL(str(lib)).paged_attention_decode   # loaded: tmp may go
-            except (OSError, subprocess.SubprocessError) as e:   # the next line of FLAGS
+                return getattr(ctypes.CDLL(str(lib)), name)          # loaded: tmp may go
+            except (OSError, subprocess.SubprocessError) as e:   # the next line of flags
                 lines = (getattr(e, "stderr", None) or str(e)).strip().splitlines()
                 error = lines[0] if lines else type(e).__name__
-                continue
-            P, I = ctypes.c_void_p, ctypes.c_int
-            kernel.argtypes = [P, P, P, P, ctypes.c_int64, P, I, I, I, ctypes.c_float, P, I]
-            kernel.restype = None
-            return kernel
-    return f"{Path(cc).name} could not build {SOURCE.name}: {error}"
+    return f"{Path(cc).name} could not build {source.name}: {error}"
 
 
 def why_not_cpu(q, k_cache) -> str | None:

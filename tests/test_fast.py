@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from conftest import greedy_reference, tiny_model
 from minipaged import generate
 from minipaged import OutOfBlocksError, RequestError
+from minipaged import cpu_attention
 from minipaged.cache_manager import CacheManager
 from minipaged.fast import FastContiguousCache, FastEngine, FastPagedCache, FusedLlama, compile_decode
 from minipaged.fast.paged import FastSharedPagedCache
@@ -54,13 +55,75 @@ def test_matvec_is_a_linear_layer(dtype, rows):
     assert_linear(mv, w, rows, dtype)
 
 
+def avx512() -> bool | None:
+    """Whether the CPU has AVX-512F (panels.c's instructions), or None where Linux's
+    /proc/cpuinfo cannot say."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512f" in f.read().split()
+    except OSError:
+        return None
+
+
+def test_the_panel_kernel_builds_where_the_cpu_has_avx512():
+    """With AVX-512 and a C compiler (this project's machines) the kernel builds; a CPU without
+    AVX-512 gets a sentence, and several fp32 rows then go to oneDNN as before."""
+    kernel = matvec.panel_kernel()
+    if avx512() and cpu_attention.compiler():
+        assert not isinstance(kernel, str), kernel
+    elif avx512() is False:
+        assert isinstance(kernel, str) and MatVec(torch.randn(96, 128)).panels is None
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch without oneDNN")
-def test_matvec_packs_its_weight_for_onednn_where_it_can():
-    """fp32 on a CPU always; bf16 where the CPU has bf16 instructions; fp64 never."""
-    assert MatVec(torch.randn(96, 128)).packed is not None
-    assert (MatVec(torch.randn(96, 128).bfloat16()).packed is not None) == \
-        torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert MatVec(torch.randn(96, 128, dtype=torch.float64)).packed is None
+def test_matvec_keeps_the_copy_several_rows_are_multiplied_by():
+    """fp32: panels where the kernel builds and the outputs are a multiple of 32, else oneDNN's
+    packed copy; bf16: oneDNN's where the CPU has bf16 instructions; fp64: neither."""
+    panels = not isinstance(matvec.panel_kernel(), str)
+    mv = MatVec(torch.randn(96, 128))
+    assert (mv.panels is not None, mv.packed is not None) == (panels, not panels)
+    assert mv.panels is None or mv.panels.shape == (3, 128, 32)
+    mv = MatVec(torch.randn(40, 128))                     # 40 outputs: no panels of 32
+    assert mv.panels is None and mv.packed is not None
+    mv = MatVec(torch.randn(96, 128).bfloat16())
+    assert mv.panels is None
+    assert (mv.packed is not None) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    mv = MatVec(torch.randn(96, 128, dtype=torch.float64))
+    assert mv.panels is None and mv.packed is None
+
+
+@pytest.mark.skipif(isinstance(matvec.panel_kernel(), str), reason="the panel kernel needs "
+                    "AVX-512 and a C compiler (test_the_panel_kernel_builds_where_...)")
+@pytest.mark.parametrize("out_features, in_features", [(32, 7), (96, 64), (160, 1536)])
+def test_the_panel_product_is_a_product_at_every_number_of_rows(out_features, in_features):
+    """panels.c against float64, for 1 to 40 rows (passes of up to 12 rows, split evenly, and
+    their remainders), around MOST_ROWS (the kernel below, torch's product above) and far
+    above it; each entry within fp32 rounding of its own sum's size."""
+    gen = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, in_features, generator=gen)
+    mv = MatVec(w)
+    most = matvec.MOST_ROWS
+    for rows in [*range(1, 41), most - 1, most, most + 1, 300]:
+        x = torch.randn(rows, in_features, generator=gen)
+        want = x.double() @ w.double().T
+        scale = x.double().abs() @ w.double().abs().T            # the size of each entry's sum
+        got = torch.ops.minipaged.panel_linear(x, mv.panels, mv._weight_t())
+        assert got.shape == (rows, out_features) and got.dtype == torch.float32
+        assert ((got.double() - want).abs() <= 1e-6 * scale + 1e-30).all(), rows
+        if rows > 1:                                            # and MatVec sends rows there
+            assert torch.equal(mv(x), got)
+    assert torch.ops.minipaged.panel_linear(x[:0], mv.panels, mv._weight_t()).shape == \
+        (0, out_features)
+
+
+def test_without_the_panel_kernel_fp32_rows_go_to_onednn(monkeypatch):
+    """No kernel (no compiler, no AVX-512): fp32 MatVecs keep oneDNN's copy and stay products."""
+    monkeypatch.setattr(matvec, "panel_kernel", lambda: "no C compiler was found")
+    w = torch.randn(96, 128)
+    mv = MatVec(w)
+    assert mv.panels is None and (mv.packed is not None) == torch.backends.mkldnn.is_available()
+    for rows in (1, 3, 70):
+        assert_linear(mv, w, rows, torch.float32)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 70])
@@ -74,13 +137,19 @@ def test_matvec_without_onednn_is_still_a_linear_layer(monkeypatch, rows):
 
 
 def test_matvec_moved_to_another_dtype_packs_the_new_weight():
-    """`.to(dtype)` converts the weight; oneDNN's copy follows it (or goes, for fp64)."""
+    """`.to(dtype)` converts the weight; the copy for several rows follows it: oneDNN's in
+    bf16, none in fp64, panels again back in fp32."""
     w = torch.randn(96, 128)
     for dtype in (torch.bfloat16, torch.float64):
         mv = MatVec(w).to(dtype)
+        assert mv.panels is None
         assert (mv.packed is None) == (matvec.onednn_weight(w.to(dtype)) is None)
         for rows in (1, 3):
             assert_linear(mv, w, rows, dtype)
+    mv = MatVec(w).to(torch.float64).to(torch.float32)
+    assert (mv.panels is None) == (matvec.panel_weight(w) is None)
+    for rows in (1, 3, 70):
+        assert_linear(mv, w, rows, torch.float32)
 
 
 def test_matvec_keeps_a_weight_it_cannot_split():
@@ -366,6 +435,7 @@ def test_a_batch_step_whose_products_the_compiler_cannot_write_gets_onednns(monk
     again with oneDNN's instead of staying eager."""
     monkeypatch.setattr(compiled_module, "batch_options", lambda dtype: {
         "freezing": False, "max_autotune": True, "max_autotune_gemm_backends": "CPP"})
+    monkeypatch.setattr(matvec, "panel_weight", lambda weight: None)   # fp32 products: mm
     model = tiny_model(dtype=torch.float32)
     fast = FusedLlama(model)
     with caplog.at_level(logging.INFO, logger=compiled_module.__name__):

@@ -15,23 +15,88 @@ bytes reads about 27 GB/s: the product runs on one thread. Two changes reach the
 The sum adds the slabs' partial products in another order than one product would, so results
 differ from `F.linear` by rounding only (about 1e-7 relative in fp32).
 
-Several rows at once (a serving step's decodes, a prompt), and every product in bf16, go to
-oneDNN's kernel instead, on a copy of the weight that oneDNN has packed ahead of time into the
-tiles its kernel reads (`onednn_weight`; `torch.compile` packs weights the same way under
-freezing). Measured here on SmolLM2: a whole forward's products for 16 rows in fp32 took 25 ms
-against 49 ms through the slabs; an eager bf16 decode step of one row, 26 ms against 33 ms
-through `F.linear`; the serving benchmark's 16 requests ran 1.34-1.38x faster in fp32 and
-1.15-1.24x in bf16. One row in fp32 stays with the slabs, which stream faster (a decode step
-took 31 ms, against 40 ms through oneDNN). The packed copy costs the weight's size again.
-Where oneDNN cannot pack (a torch without it, bf16 on a CPU without bf16 instructions, fp16,
-fp64, another device), several rows are one plain product.
+Several rows at once (a serving step's decodes, a prompt) in fp32 go to `panels.c`, a C
+kernel built on first use (as stage 3b's is) where the CPU has AVX-512: the weight stored again
+as panels of 32 outputs, (out / 32, in, 32), each panel one contiguous stream, multiplied by up
+to 12 rows a pass while the next weights are fetched ahead (`panel_weight`). The oneDNN kernel
+it replaced reads the same bytes but waits on memory between its multiplications. Measured on
+SmolLM2 (the products of one step, every layer's weights read once, 2 threads, the 2-core
+Intel machine of the serving benchmark): 2, 4, 16 and 64 rows took 23.3, 23.8, 29.1 and 59.7
+ms against oneDNN's 29.7, 30.2, 38.1 and 75.6; 512 rows the same, 415 ms. Compiled steps call
+it as `minipaged::panel_linear`. In bf16, and in fp32 where the kernel cannot be built, several
+rows go to oneDNN's kernel, on a copy of the weight that oneDNN has packed ahead of time into
+the tiles its kernel reads (`onednn_weight`; `torch.compile` packs weights the same way under
+freezing), and to one plain product where oneDNN cannot pack (a torch without it, bf16 on a
+CPU without bf16 instructions, fp16, fp64, another device). One row in fp32 stays with the
+slabs, which stream faster still (a decode step took 31 ms, against 40 ms through oneDNN).
+The extra copy costs the weight's size again.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ..cpu_attention import FLAGS, build_function
+
+PANEL = 32                                   # outputs a panel (panels.c's NR)
+MOST_ROWS = 128          # more rows than this (a prompt chunk) go to one plain product: MKL's
+
+
+@functools.cache
+def panel_kernel():
+    """panels.c's `panel_linear`, or a sentence saying why it could not be built: it needs
+    AVX-512 (-march=native) and OpenMP, the first line of stage 3b's compiler flags."""
+    kernel = build_function(Path(__file__).with_name("panels.c"), "panel_linear", flags=FLAGS[:1])
+    if not isinstance(kernel, str):
+        P, I = ctypes.c_void_p, ctypes.c_int
+        kernel.argtypes = [P, P, P, I, I, I, I]
+        kernel.restype = None
+    return kernel
+
+
+def panel_weight(weight: torch.Tensor):
+    """`weight` (out, in) as panels of 32 outputs, (out / 32, in, 32), for `panel_linear`; or
+    None where the kernel cannot serve it: not fp32 on a CPU, `out` not a multiple of 32, or
+    no kernel built."""
+    out_features, in_features = weight.shape
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or out_features % PANEL \
+            or isinstance(panel_kernel(), str):
+        return None
+    return weight.detach().reshape(out_features // PANEL, PANEL, in_features).transpose(1, 2) \
+        .contiguous()
+
+
+_lib = torch.library.Library("minipaged", "FRAGMENT")
+_lib.define("panel_linear(Tensor x, Tensor panels, Tensor weight_t) -> Tensor")
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """x (M, in) @ W.T for W stored as `panels` (`panel_weight`) and as `weight_t`, W.T (in,
+    out): (M, out), on torch's threads. Up to MOST_ROWS rows through the kernel, more (where
+    the kernel's passes over each panel stop paying) through `x @ weight_t`."""
+    if x.shape[0] > MOST_ROWS:
+        return x @ weight_t
+    x = x.contiguous()
+    M, K = x.shape
+    y = x.new_empty(M, panels.shape[0] * PANEL)
+    if M:
+        panel_kernel()(x.data_ptr(), panels.data_ptr(), y.data_ptr(), M, y.shape[1], K,
+                       torch.get_num_threads())
+    return y
+
+
+_lib.impl("panel_linear", panel_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("minipaged::panel_linear", lib=_lib)
+def _(x, panels, weight_t):
+    return x.new_empty(x.shape[0], panels.shape[0] * PANEL)
 
 
 def onednn_weight(weight: torch.Tensor):
@@ -59,14 +124,23 @@ class MatVec(nn.Module):
         else:
             w = weight.detach().contiguous()                                 # (out, in)
         self.weight = nn.Parameter(w, requires_grad=False)
-        self.packed = onednn_weight(weight)       # oneDNN's copy, or None
+        self._pack(weight)
+
+    def _pack(self, weight):
+        """The copy several rows are multiplied by: panels (fp32, `panel_weight`), else oneDNN's
+        (`onednn_weight`), else none. A parameter, so that freezing sees it as a constant."""
+        panels = panel_weight(weight)
+        self.panels = None if panels is None else nn.Parameter(panels, requires_grad=False)
+        self.packed = onednn_weight(weight) if panels is None else None
 
     def forward(self, x):
         *lead, n = x.shape
         rows = x.reshape(-1, n)                                              # (M, in)
         M, s = rows.shape[0], self.splits
-        if torch.compiler.is_compiling():       # a compiler packs the weight its own way
-            y = self._one_product(rows)
+        if isinstance(M, int) and M == 1 and torch.compiler.is_compiling():
+            y = self._one_product(rows)         # one row, compiled: the compiler's own product
+        elif self.panels is not None and (torch.compiler.is_compiling() or M > 1):
+            y = torch.ops.minipaged.panel_linear(rows, self.panels, self._weight_t())
         elif M == 1 and s > 1:                  # one row in fp32: the slabs, over the threads
             slabs = rows.view(M, s, n // s).transpose(0, 1)                  # (s, M, in/s)
             y = torch.bmm(slabs, self.weight).sum(0)                         # (M, out)
@@ -79,12 +153,18 @@ class MatVec(nn.Module):
     def _one_product(self, rows):
         if self.splits == 1:
             return F.linear(rows, self.weight)
-        return rows @ self.weight.view(self.in_features, self.out_features)
+        return rows @ self._weight_t()
+
+    def _weight_t(self):
+        """The weight transposed, (in, out): a view."""
+        if self.splits == 1:
+            return self.weight.t()
+        return self.weight.view(self.in_features, self.out_features)
 
     def _apply(self, fn, recurse=True):
         """`.to(...)` and the like move or convert the weight: pack the result again."""
         super()._apply(fn, recurse)
         w = self.weight if self.splits == 1 else \
             self.weight.view(self.in_features, self.out_features).t()
-        self.packed = onednn_weight(w)
+        self._pack(w)
         return self
