@@ -3,7 +3,10 @@ with one `error: ...` line and exit 2 before any work (a KV budget the machine c
 included), nothing written; a small run of each cheap one still works."""
 
 import json
+import os
+import signal
 import sys
+import time
 
 import pytest
 import torch
@@ -196,3 +199,34 @@ def test_serving_peers_short_run_gives_the_reference_tokens(tmp_path):
         for engine in engines:
             assert tokens[f"float32, {job}"][engine] == want, (engine, job)
         assert f"greedy tokens, float32, {job}" in result["stdout"] or engines == {"minipaged"}
+
+
+def test_a_paused_worker_and_its_children_use_no_cpu_until_continued(tmp_path):
+    """serving_peers pauses the engines that are not being timed: a worker whose child spins
+    (as vLLM's engine core is a child of its worker) uses no CPU while paused, and spins again
+    once continued."""
+    from minipaged.benchmarks.serving_peers import Worker, process_tree
+    spin = "import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'while True: pass'])" \
+           "\nwhile True: pass"
+    worker = Worker("spinner", [sys.executable, "-c", spin], tmp_path / "spinner.log",
+                    dict(os.environ))
+    try:
+        deadline = time.monotonic() + 30
+        while len(process_tree(worker.proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(process_tree(worker.proc.pid)) == 2               # the worker and its child
+
+        def used(seconds):
+            before = worker.cpu()
+            time.sleep(seconds)
+            return worker.cpu() - before
+        assert used(0.5) > 0.2
+        worker.pause(True)
+        time.sleep(0.1)
+        assert used(0.5) == 0
+        worker.pause(False)
+        assert used(0.5) > 0.2
+    finally:
+        for pid in process_tree(worker.proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        worker.proc.wait()

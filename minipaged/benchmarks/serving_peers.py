@@ -8,8 +8,9 @@ llama.cpp's own continuous batching, on SmolLM2-135M-Instruct, requests arriving
 here for minipaged, `peer_worker` for the peers), loaded once per dtype and given the same jobs
 in turns, the order rotating from run to run; the next turn starts only once every engine's
 processes are idle (an idle vLLM worker spins its threads for a while after a call, and
-llama.cpp's threads spin-wait), and the CPU the idle engines used during each turn is printed,
-so nothing runs beside the engine being timed:
+llama.cpp's threads spin-wait), and the engines not being timed are paused meanwhile (SIGSTOP,
+their children too: idle, vLLM's processes still woke now and then), so nothing runs beside
+the engine being timed; the CPU they used during each turn is printed:
 
   * minipaged: `minipaged.fast`'s engine (`FastEngine` on `FusedLlama`, its steps compiled,
     `compile_decode(fast, batches=True)`, unless --no-compile; with --busy, for one thread
@@ -47,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -97,9 +99,9 @@ def work():
 
 
 # -- the processes --------------------------------------------------------------------------------
-def cpu_seconds(root: int) -> float:
-    """CPU seconds used so far by process `root` and every process below it, from /proc."""
-    parents, ticks = {}, {}
+def processes() -> dict:
+    """{pid: (parent pid, CPU clock ticks used)} of every process, from /proc."""
+    found = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
@@ -107,7 +109,14 @@ def cpu_seconds(root: int) -> float:
                     fields = f.read().rsplit(")", 1)[1].split()
             except (OSError, IndexError):
                 continue                                # it ended meanwhile
-            parents[int(name)], ticks[int(name)] = int(fields[1]), int(fields[11]) + int(fields[12])
+            found[int(name)] = int(fields[1]), int(fields[11]) + int(fields[12])
+    return found
+
+
+def process_tree(root: int, found: dict | None = None) -> set:
+    """Process `root` and every process below it."""
+    found = processes() if found is None else found
+    parents = {pid: parent for pid, (parent, _) in found.items()}
     tree = {root}
     for pid in parents:                                 # walk up from each: below the root?
         p = pid
@@ -115,7 +124,14 @@ def cpu_seconds(root: int) -> float:
             p = parents[p]
         if p in tree:
             tree.add(pid)
-    return sum(ticks.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
+    return tree
+
+
+def cpu_seconds(root: int) -> float:
+    """CPU seconds used so far by process `root` and every process below it."""
+    found = processes()
+    return sum(found[pid][1] for pid in process_tree(root, found) if pid in found) / \
+        os.sysconf("SC_CLK_TCK")
 
 
 def machine() -> str:
@@ -164,10 +180,20 @@ class Worker:
     def cpu(self) -> float:
         return cpu_seconds(self.proc.pid)
 
+    def pause(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) the worker's processes, its children included
+        (vLLM's engine core): a paused engine cannot wake during another's turn."""
+        for pid in process_tree(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGSTOP if paused else signal.SIGCONT)
+            except ProcessLookupError:
+                pass                                    # it ended meanwhile
+
     def stop(self) -> None:
         """End of input ends the worker; one still busy after 30 s is told to stop (SIGTERM, so
         vLLM ends the processes it started), then killed."""
         if self.proc.poll() is None:
+            self.pause(False)
             self.proc.stdin.close()
             for end in (self.proc.terminate, self.proc.kill):
                 try:
@@ -267,12 +293,20 @@ def busy_loop(core: int) -> subprocess.Popen:
 
 # -- the run --------------------------------------------------------------------------------------
 def turn(workers, name, requests, idle: dict) -> dict:
-    """One engine's job, the others idle: its answer. `idle` keeps the most CPU (a share of
-    one core) each other engine used during a turn."""
+    """One engine's job, the others paused (`Worker.pause`): its answer. Idle, vLLM's processes
+    still woke now and then (up to 2% of a core), and each wake-up took a core from the engine
+    being timed. `idle` keeps the most CPU (a share of one core) each other engine used during
+    a turn: none, paused."""
     settle(workers.values())
     others = {n: w for n, w in workers.items() if n != name}
     before = {n: w.cpu() for n, w in others.items()}
-    answer = workers[name].job(requests)
+    for w in others.values():
+        w.pause(True)
+    try:
+        answer = workers[name].job(requests)
+    finally:
+        for w in others.values():
+            w.pause(False)
     for n, w in others.items():
         idle[n] = max(idle.get(n, 0.0), (w.cpu() - before[n]) / answer["seconds"])
     return answer
