@@ -304,11 +304,11 @@ def turn(workers, name, requests, idle: dict) -> dict:
         w.pause(True)
     try:
         answer = workers[name].job(requests)
+        for n, w in others.items():         # (read before they continue, and catch up)
+            idle[n] = max(idle.get(n, 0.0), (w.cpu() - before[n]) / answer["seconds"])
     finally:
         for w in others.values():
             w.pause(False)
-    for n, w in others.items():
-        idle[n] = max(idle.get(n, 0.0), (w.cpu() - before[n]) / answer["seconds"])
     return answer
 
 

@@ -1,8 +1,9 @@
 """Speed, not a stage: the same Llama, rearranged to decode fast on a CPU.
 
     fused_llama.py  FusedLlama: fused projections, weights in a layout that streams at memory
-                    speed and packed for oneDNN (matvec.py), rotary on real numbers; a
-                    drop-in for a `Llama`
+                    speed, and for several rows as panels for a C kernel (fp32, panels.c) or
+                    packed for oneDNN (bf16) (matvec.py), rotary on real numbers; a drop-in
+                    for a `Llama`
     compiled.py     compile_decode: its decode step compiled into one graph (torch.compile with
                     freezing), and with batches=True its other steps into a second one,
                     attention left to the cache; with fewer_threads=True each also for one

@@ -22,8 +22,9 @@ other steps through the cache's `attend`. Two graphs:
     their number symbolic, so one graph serves every size (on SmolLM2 in bf16, a decode step
     of 16 rows took 35 ms against 50 ms eager: eager, the norms, rotary and SwiGLU are dozens
     of separate passes, each paying its own call). In bf16 its products are written by the
-    compiler too, for any number of rows; in fp32 they are oneDNN's, packed under freezing
-    (`batch_options`, where the measurements are).
+    compiler too, for any number of rows (`batch_options`, where the measurements are); in
+    fp32 they are matvec.py's C kernel, `minipaged::panel_linear`, which the graph calls as
+    it calls attention (where that kernel cannot be built, oneDNN's, packed under freezing).
 
 Compiling takes tens of seconds a graph (`compile_decode` returns how many) and needs a C++
 compiler; if it fails, the model stays eager and a warning says why.
@@ -181,14 +182,16 @@ class CompiledBatches:
         return logits[0, :K].view(B, K // B, -1)
 
 
-ONEDNN = {"freezing": True}      # freezing alone: oneDNN's packed products, for any rows
+ONEDNN = {"freezing": True}      # freezing alone: products as MatVec gives them, oneDNN's packed
 
 
 def batch_options(dtype: torch.dtype) -> dict:
     """How the batch step's products are compiled. In bf16 inductor writes them (its AMX or
     AVX-512 kernels, one for any number of rows): on SmolLM2 a decode step of 4 rows took 15 ms
-    against 19 through oneDNN, of 64 rows 34 against 38. In fp32 its products lost from 8 rows
-    up (64 rows: 163 ms against 97), so fp32 keeps oneDNN's."""
+    against 19 through oneDNN, of 64 rows 34 against 38. In fp32 its products lost to
+    oneDNN's from 8 rows up (64 rows: 163 ms against 97), and MatVec's panel kernel beats
+    both: fp32 leaves the products as MatVec gives them (`minipaged::panel_linear`, or
+    oneDNN's where that kernel cannot be built)."""
     return OPTIONS if dtype == torch.bfloat16 else ONEDNN
 
 

@@ -11,7 +11,8 @@ operations cost as much as its arithmetic:
   * wq, wk, wv are one matrix and w1, w3 (gate, up) another: five matrix-vector products a
     layer become three (`wqkv`, `wo`, `w13`, `w2`: four with the output projection);
   * every matrix is a `MatVec`, laid out to stream at the memory's speed for one row, with a
-    copy packed for oneDNN's kernel for several rows at once (`matvec.py`);
+    copy for several rows at once: panels for a C kernel in fp32, oneDNN's packing in bf16
+    (`matvec.py`);
   * the rotary embedding multiplies real (even, odd) pairs by cos and sin instead of going
     through complex numbers, q and k rotated together, in three operations;
   * nothing reads a tensor's value back into Python in a layer (no `int(tensor)`), so the

@@ -137,18 +137,25 @@ class MatVec(nn.Module):
         *lead, n = x.shape
         rows = x.reshape(-1, n)                                              # (M, in)
         M, s = rows.shape[0], self.splits
-        if isinstance(M, int) and M == 1 and torch.compiler.is_compiling():
-            y = self._one_product(rows)         # one row, compiled: the compiler's own product
-        elif self.panels is not None and (torch.compiler.is_compiling() or M > 1):
-            y = torch.ops.minipaged.panel_linear(rows, self.panels, self._weight_t())
-        elif M == 1 and s > 1:                  # one row in fp32: the slabs, over the threads
+        one_row = isinstance(M, int) and M == 1     # (compiled for any number of rows, M is
+        if torch.compiler.is_compiling():           # symbolic: no test of its value here)
+            if self.panels is not None and not one_row:
+                y = self._panel_product(rows)           # several rows in fp32: the C kernel
+            else:                   # the compiler packs the weight its own way
+                y = self._one_product(rows)
+        elif one_row and s > 1:                 # one row in fp32: the slabs, over the threads
             slabs = rows.view(M, s, n // s).transpose(0, 1)                  # (s, M, in/s)
             y = torch.bmm(slabs, self.weight).sum(0)                         # (M, out)
+        elif self.panels is not None:           # several rows in fp32: the C kernel
+            y = self._panel_product(rows)
         elif self.packed is not None:           # several rows, or bf16: oneDNN's kernel
             y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
         else:
             y = self._one_product(rows)
         return y.view(*lead, self.out_features)
+
+    def _panel_product(self, rows):
+        return torch.ops.minipaged.panel_linear(rows, self.panels, self._weight_t())
 
     def _one_product(self, rows):
         if self.splits == 1:
