@@ -42,17 +42,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..cpu_attention import FLAGS, build_function
+from ..cpu_attention import build_function
 
 PANEL = 32                                   # outputs a panel (panels.c's NR)
+# AVX-512 (-march=native on a CPU that has it) and OpenMP, or no kernel: oneDNN's products
+FLAGS = [(["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"], ["-fopenmp"])]
 MOST_ROWS = 128          # more rows than this (a prompt chunk) go to one plain product: MKL's
 
 
 @functools.cache
 def panel_kernel():
-    """panels.c's `panel_linear`, or a sentence saying why it could not be built: it needs
-    AVX-512 (-march=native) and OpenMP, the first line of stage 3b's compiler flags."""
-    kernel = build_function(Path(__file__).with_name("panels.c"), "panel_linear", flags=FLAGS[:1])
+    """panels.c's `panel_linear`, or a sentence saying why it could not be built (`FLAGS`)."""
+    kernel = build_function(Path(__file__).with_name("panels.c"), "panel_linear", flags=FLAGS)
     if not isinstance(kernel, str):
         P, I = ctypes.c_void_p, ctypes.c_int
         kernel.argtypes = [P, P, P, I, I, I, I]
