@@ -182,7 +182,7 @@ class CompiledBatches:
         return logits[0, :K].view(B, K // B, -1)
 
 
-ONEDNN = {"freezing": True}      # freezing alone: products as MatVec gives them, oneDNN's packed
+ONEDNN = {"freezing": True}      # freezing alone: fp32 products in panels.c, else oneDNN's, packed
 
 
 def batch_options(dtype: torch.dtype) -> dict:

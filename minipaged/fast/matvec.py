@@ -138,8 +138,9 @@ class MatVec(nn.Module):
         *lead, n = x.shape
         rows = x.reshape(-1, n)                                              # (M, in)
         M, s = rows.shape[0], self.splits
-        one_row = isinstance(M, int) and M == 1     # (compiled for any number of rows, M is
-        if torch.compiler.is_compiling():           # symbolic: no test of its value here)
+        # compiled for any number of rows, M is symbolic: `one_row` must not test its value
+        one_row = isinstance(M, int) and M == 1
+        if torch.compiler.is_compiling():
             if self.panels is not None and not one_row:
                 y = self._panel_product(rows)           # several rows in fp32: the C kernel
             else:                   # the compiler packs the weight its own way
