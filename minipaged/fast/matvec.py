@@ -18,18 +18,20 @@ differ from `F.linear` by rounding only (about 1e-7 relative in fp32).
 Several rows at once (a serving step's decodes, a prompt) in fp32 go to `panels.c`, a C
 kernel built on first use (as stage 3b's is) where the CPU has AVX-512: the weight stored again
 as panels of 32 outputs, (out / 32, in, 32), each panel one contiguous stream, multiplied by up
-to 12 rows a pass while the next weights are fetched ahead (`panel_weight`). The oneDNN kernel
-it replaced reads the same bytes but waits on memory between its multiplications. Measured on
-SmolLM2 (the products of one step, every layer's weights read once, 2 threads, the 2-core
-Intel machine of the serving benchmark): 2, 4, 16 and 64 rows took 23.3, 23.8, 29.1 and 59.7
-ms against oneDNN's 29.7, 30.2, 38.1 and 75.6; 512 rows the same, 415 ms. Compiled steps call
-it as `minipaged::panel_linear`. In bf16, and in fp32 where the kernel cannot be built, several
-rows go to oneDNN's kernel, on a copy of the weight that oneDNN has packed ahead of time into
-the tiles its kernel reads (`onednn_weight`; `torch.compile` packs weights the same way under
-freezing), and to one plain product where oneDNN cannot pack (a torch without it, bf16 on a
-CPU without bf16 instructions, fp16, fp64, another device). One row in fp32 stays with the
-slabs, which stream faster still (a decode step took 31 ms, against 40 ms through oneDNN).
-The extra copy costs the weight's size again.
+to 12 rows a pass while the next panel is fetched at an even rate (`panel_weight`). The oneDNN
+kernel it replaced reads the same bytes but waits on memory between its multiplications.
+Measured on SmolLM2 (the products of one step, every layer's weights read once, 2 threads, the
+2-core Intel machine of the serving benchmark): 2, 4, 16 and 64 rows took 19.0, 19.3, 25.8 and
+49.0 ms against oneDNN's 26.3, 28.2, 38.0 and 76.7. It takes up to MOST_ROWS rows: with more,
+its passes over each panel read x again and again, and torch's plain product (MKL) is faster
+(the kernel took 303 ms at 384 rows against MKL's 317, level at 512, 673 at 768 against 597).
+Compiled steps call it as `minipaged::panel_linear`. In bf16, and in fp32 where the kernel
+cannot be built, several rows go to oneDNN's kernel, on a copy of the weight that oneDNN has
+packed ahead of time into the tiles its kernel reads (`onednn_weight`; `torch.compile` packs
+weights the same way under freezing), and to one plain product where oneDNN cannot pack (a torch
+without it, bf16 on a CPU without bf16 instructions, fp16, fp64, another device). One row in
+fp32 stays with the slabs, which stream faster still (a decode step took 31 ms, against 40 ms
+through oneDNN). The extra copy costs the weight's size again.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from ..cpu_attention import build_function
 PANEL = 32                                   # outputs a panel (panels.c's NR)
 # AVX-512 (-march=native on a CPU that has it) and OpenMP, or no kernel: oneDNN's products
 FLAGS = [(["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"], ["-fopenmp"])]
-MOST_ROWS = 128          # more rows than this (a prompt chunk) go to one plain product: MKL's
+MOST_ROWS = 384          # more rows than this (most of a prompt chunk) go to one plain product
 
 
 @functools.cache
