@@ -28,11 +28,11 @@ other steps through the cache's `attend`. Two graphs:
 
 Both graphs are compiled with inductor's `cpp_wrapper`: the code that calls a graph's kernels
 and the two operators one after another, hundreds of calls a step, is generated C++ rather than
-a Python function. On SmolLM2 (two models in one process, one compiled each way, medians of
-five runs on the 2-core Intel machine of the serving benchmark), a decode step of one row took
-23.1 ms against 24.0 in fp32 and 13.5 against 14.1 in bf16; of 4 rows 25.4 against 27.4 (fp32)
-and 15.2 against 15.8 (bf16); of 16 rows 37.0 against 37.4 and 18.6 against 19.1. Compiling
-took longer: 79 s against 62 for both fp32 graphs.
+a Python function. On SmolLM2 in fp32 (four processes in turn, each compiling one way, medians
+of five runs each, the 2-core Intel machine of the serving benchmark), a decode step of one row
+took 23.7 and 24.1 ms against 24.3 and 25.0 without it, of 4 rows 27.2 and 27.6 against 28.4 and
+28.5, of 16 rows 38.1 and 38.4 against 38.8 and 39.1. Compiling takes longer (both fp32 graphs:
+about 75 s against 50-60).
 
 Compiling takes tens of seconds a graph (`compile_decode` returns how many) and needs a C++
 compiler; if it fails, the model stays eager and a warning says why.
