@@ -9,11 +9,12 @@
 
    Memory: while a thread multiplies one panel it asks for the next one (into L2) at an even
    rate, one or two of its 64-byte lines at every k, spread over all the passes it makes over
-   the panel, so weights keep arriving while the core multiplies. Asked for in bursts (all in
-   the first pass), or left to the hardware prefetcher, the same products took 10-40% longer;
-   counted out by a branch that varied from one k to the next, some row counts ran 15% slower,
-   which ones depending on where the compiler placed the loop. Each pass also asks for its own
-   panel's rows PREFETCH rows ahead (into L1). Built with -march=native on a CPU with AVX-512F. */
+   the panel, so weights keep arriving while the core multiplies. Asked for in a burst (all in
+   the first pass), the products of 24 to 64 rows took 20-35% longer; left to the hardware
+   prefetcher, 5-43% longer; counted out by a branch that varied from one k to the next, some
+   row counts ran up to a fifth slower, which ones depending on where the compiler placed the
+   loop. Each pass also asks for its own panel's rows PREFETCH rows ahead (into L1). Built with
+   -march=native on a CPU with AVX-512F. */
 #include <stdint.h>
 #include <immintrin.h>
 #include <omp.h>
