@@ -7,7 +7,9 @@ and through the engine; the real weights (SmolLM2 against transformers) are in t
 
 import logging
 import math
+import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -103,17 +105,51 @@ def test_the_panel_product_is_a_product_at_every_number_of_rows(out_features, in
     w = torch.randn(out_features, in_features, generator=gen)
     mv = MatVec(w)
     most = matvec.MOST_ROWS
+    matvec.panel_operator()         # the operator's kernel in C++ where it builds (next test)
     for rows in [*range(1, 41), most - 1, most, most + 1, 2 * most]:
         x = torch.randn(rows, in_features, generator=gen)
         want = x.double() @ w.double().T
         scale = x.double().abs() @ w.double().abs().T            # the size of each entry's sum
-        got = torch.ops.minipaged.panel_linear(x, mv.panels, mv._weight_t())
+        got = matvec.panel_linear(x, mv.panels, mv._weight_t())                   # Python's
         assert got.shape == (rows, out_features) and got.dtype == torch.float32
         assert ((got.double() - want).abs() <= 1e-6 * scale + 1e-30).all(), rows
+        assert torch.equal(torch.ops.minipaged.panel_linear(x, mv.panels, mv._weight_t()), got)
         if rows > 1:                                            # and MatVec sends rows there
             assert torch.equal(mv(x), got)
-    assert torch.ops.minipaged.panel_linear(x[:0], mv.panels, mv._weight_t()).shape == \
-        (0, out_features)
+    for product in (matvec.panel_linear, torch.ops.minipaged.panel_linear):
+        assert product(x[:0], mv.panels, mv._weight_t()).shape == (0, out_features)
+
+
+@pytest.mark.skipif(isinstance(matvec.panel_kernel(), str), reason="the panel kernel needs "
+                    "AVX-512 and a C compiler (test_the_panel_kernel_builds_where_...)")
+def test_the_operators_cpu_kernel_is_registered_in_cpp():
+    """Where a C++ compiler builds panel_op.cpp (this project's machines), it is the operator's
+    CPU kernel (the test above checks it gives the Python function's numbers); it is built
+    once, and a compiled fp32 step asks for it."""
+    has_cpu_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    if shutil.which("g++") or shutil.which("c++") or os.environ.get("CXX"):
+        assert matvec.panel_operator() is None
+        assert has_cpu_kernel("minipaged::panel_linear", "CPU")
+        assert matvec.panel_operator.cache_info().currsize == 1
+
+
+@pytest.mark.skipif(isinstance(matvec.panel_kernel(), str), reason="the panel kernel needs "
+                    "AVX-512 and a C compiler (test_the_panel_kernel_builds_where_...)")
+def test_a_cpp_compiler_that_fails_is_a_sentence(monkeypatch, tmp_path):
+    """A C++ compiler that exits with an error: the line that says so, in panel_operator's
+    sentence (a compiled step logs it and calls the Python function instead)."""
+    fake = tmp_path / "c++"
+    fake.write_text("#!/bin/sh\necho 'In file included from x.h' >&2\n"
+                    "echo 'panel_op.cpp:1: error: the test made me fail' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    reason = matvec.panel_operator.__wrapped__()
+    assert reason == "c++ could not build panel_op.cpp: panel_op.cpp:1: error: the test made " \
+        "me fail"
+    monkeypatch.setenv("CXX", str(tmp_path / "missing"))
+    assert matvec.panel_operator.__wrapped__().startswith("missing could not build panel_op.cpp")
+    monkeypatch.setattr(matvec, "panel_kernel", lambda: "no C compiler was found")
+    assert matvec.panel_operator.__wrapped__() == "no C compiler was found"
 
 
 def test_without_the_panel_kernel_fp32_rows_go_to_onednn(monkeypatch):

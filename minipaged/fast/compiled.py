@@ -14,9 +14,10 @@ the stages put it. On the speed layer's paged cache, a decode step (one row or m
 token each) attends through a `DecodeAttention` worked out once for all layers (fast/paged.py);
 other steps through the cache's `attend`. Two graphs:
 
-  * the decode step of one sequence (`CompiledDecode`), its shapes fixed, its matrix-vector
-    products written by the compiler itself (`max_autotune`), where a token's small
-    operations weigh most against its arithmetic;
+  * the decode step of one sequence (`CompiledDecode`), its shapes fixed, where a token's
+    small operations weigh most against its arithmetic; its matrix-vector products written
+    by the compiler itself (`max_autotune`), or in fp32, where the operator below is
+    registered in C++, matvec.py's C kernel;
   * with `batches=True`, every other step on a cache (`CompiledBatches`): a batch of decode
     rows, a prompt, a packed step, its tokens laid out in one row as vLLM lays out a step and
     their number symbolic, so one graph serves every size (on SmolLM2 in bf16, a decode step
@@ -25,6 +26,9 @@ other steps through the cache's `attend`. Two graphs:
     compiler too, for any number of rows (`batch_options`, where the measurements are); in
     fp32 they are matvec.py's C kernel, `minipaged::panel_linear`, which the graph calls as
     it calls attention (where that kernel cannot be built, oneDNN's, packed under freezing).
+    In fp32 `compile_decode` first registers that operator's kernel in C++ (matvec.py's
+    `panel_operator`), so that its calls stay out of Python; where no C++ compiler builds it,
+    the Python function serves them and the graph of one row keeps the compiler's products.
 
 Both graphs are compiled with inductor's `cpp_wrapper`: the code that calls a graph's kernels
 and the two operators one after another, hundreds of calls a step, is generated C++ rather than
@@ -58,6 +62,7 @@ import torch.nn as nn
 
 from ..kv_cache import ContiguousCache
 from .fused_llama import FusedLlama, rotary_cos_sin
+from .matvec import panel_operator
 from .paged import decode_attention_of
 
 log = logging.getLogger(__name__)
@@ -227,6 +232,10 @@ def compile_decode(fast: FusedLlama, batches: bool = False, fewer_threads: bool 
     took (NaN if it failed: `fast` stays eager). Later steps of `fast` run compiled, and
     `fast.compiled_threads` holds the thread counts compiled for."""
     p = next(fast.parameters())
+    if p.dtype == torch.float32 and p.device.type == "cpu":   # the products' operator in
+        why = panel_operator()                                # C++, before any graph
+        if why:
+            log.info("minipaged::panel_linear stays in Python: %s", why)
     threads = torch.get_num_threads()
     counts = (threads, threads - 1) if fewer_threads and threads > 1 else (threads,)
     start = time.perf_counter()
