@@ -7,9 +7,7 @@ and through the engine; the real weights (SmolLM2 against transformers) are in t
 
 import logging
 import math
-import os
 import random
-import shutil
 
 import pytest
 import torch
@@ -26,7 +24,7 @@ from minipaged.sharing import SharedPagedCache
 from minipaged.fast import paged as fast_paged
 from minipaged.fast.paged import share_bookkeeping
 from minipaged.fast import compiled as compiled_module
-from minipaged.fast import matvec
+from minipaged.fast import matvec, operators
 from minipaged.fast.matvec import MatVec
 from minipaged.kv_cache import ContiguousCache
 from minipaged.paged_cache import PagedCache, generate_paged
@@ -105,7 +103,7 @@ def test_the_panel_product_is_a_product_at_every_number_of_rows(out_features, in
     w = torch.randn(out_features, in_features, generator=gen)
     mv = MatVec(w)
     most = matvec.MOST_ROWS
-    matvec.panel_operator()         # the operator's kernel in C++ where it builds (next test)
+    operators.build()               # the operator's kernel in C++ where it builds (next test)
     for rows in [*range(1, 41), most - 1, most, most + 1, 2 * most]:
         x = torch.randn(rows, in_features, generator=gen)
         want = x.double() @ w.double().T
@@ -122,34 +120,34 @@ def test_the_panel_product_is_a_product_at_every_number_of_rows(out_features, in
 
 @pytest.mark.skipif(isinstance(matvec.panel_kernel(), str), reason="the panel kernel needs "
                     "AVX-512 and a C compiler (test_the_panel_kernel_builds_where_...)")
-def test_the_operators_cpu_kernel_is_registered_in_cpp():
-    """Where a C++ compiler builds panel_op.cpp (this project's machines), it is the operator's
-    CPU kernel (the test above checks it gives the Python function's numbers); it is built
-    once, and a compiled fp32 step asks for it."""
+def test_the_operators_cpu_kernels_are_registered_in_cpp():
+    """Where a C++ compiler builds operators.cpp (this project's machines), its kernels are the
+    two operators' CPU kernels (the tests beside them check they give the Python functions'
+    numbers); it is built once, and a compiled step asks for it."""
     has_cpu_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
-    if shutil.which("g++") or shutil.which("c++") or os.environ.get("CXX"):
-        assert matvec.panel_operator() is None
+    if operators.cxx_compiler():
+        assert operators.build() is None and matvec.operator_in_cpp
         assert has_cpu_kernel("minipaged::panel_linear", "CPU")
-        assert matvec.panel_operator.cache_info().currsize == 1
+        assert has_cpu_kernel("minipaged::attend", "CPU")
+        assert operators.build.cache_info().currsize == 1
 
 
 @pytest.mark.skipif(isinstance(matvec.panel_kernel(), str), reason="the panel kernel needs "
                     "AVX-512 and a C compiler (test_the_panel_kernel_builds_where_...)")
 def test_a_cpp_compiler_that_fails_is_a_sentence(monkeypatch, tmp_path):
-    """A C++ compiler that exits with an error: the line that says so, in panel_operator's
-    sentence (a compiled step logs it and calls the Python function instead)."""
+    """A C++ compiler that exits with an error: the line that says so, in build's sentence (a
+    compiled step logs it and its operators run their Python functions)."""
     fake = tmp_path / "c++"
     fake.write_text("#!/bin/sh\necho 'In file included from x.h' >&2\n"
-                    "echo 'panel_op.cpp:1: error: the test made me fail' >&2\nexit 1\n")
+                    "echo 'operators.cpp:1: error: the test made me fail' >&2\nexit 1\n")
     fake.chmod(0o755)
     monkeypatch.setenv("CXX", str(fake))
-    reason = matvec.panel_operator.__wrapped__()
-    assert reason == "c++ could not build panel_op.cpp: panel_op.cpp:1: error: the test made " \
-        "me fail"
+    assert operators.build.__wrapped__() == "c++ could not build operators.cpp: " \
+        "operators.cpp:1: error: the test made me fail"
     monkeypatch.setenv("CXX", str(tmp_path / "missing"))
-    assert matvec.panel_operator.__wrapped__().startswith("missing could not build panel_op.cpp")
+    assert operators.build.__wrapped__().startswith("missing could not build operators.cpp")
     monkeypatch.setattr(matvec, "panel_kernel", lambda: "no C compiler was found")
-    assert matvec.panel_operator.__wrapped__() == "no C compiler was found"
+    assert operators.build.__wrapped__() == "no C compiler was found"
 
 
 def test_without_the_panel_kernel_fp32_rows_go_to_onednn(monkeypatch):
@@ -322,15 +320,35 @@ def test_batch_one_on_the_fast_engine_attends_through_one_plan_a_step(compiled_p
     `DecodeAttention` worked out once a step (every layer of every decode step goes through
     it), and the greedy tokens are the no-cache references'."""
     model, fast = compiled_pair
-    calls = []
-    real = fast_paged.DecodeAttention.attend
-    monkeypatch.setattr(fast_paged.DecodeAttention, "attend",
-                        lambda self, layer, *a: calls.append(layer) or real(self, layer, *a))
+    calls, plans = record_decode_attention(monkeypatch)
     prompt = PROMPTS[2]
     got = generate(fast, [prompt], 8, cache="paged", stop_tokens=[], max_seq_len=64,
                    block_size=4, engine_class=FastEngine, max_num_batched_tokens=budget)
     assert got == [greedy_reference(model, prompt, 8)]
-    assert calls == list(range(model.args.n_layers)) * 7     # every token after the first
+    every_layer = [(1, layer) for layer in range(model.args.n_layers)] * 7   # all but token 1
+    assert_through_plans(calls, plans, every_layer, steps=7)
+
+
+def record_decode_attention(monkeypatch):
+    """Lists that fill in as `DecodeAttention`s serve layers in Python, (rows, layer) a call,
+    and as their plans are installed for operators.cpp's `attend` (rows a step)."""
+    calls, plans = [], []
+    attend, address = fast_paged.DecodeAttention.attend, fast_paged.DecodeAttention.address
+    monkeypatch.setattr(fast_paged.DecodeAttention, "attend", lambda self, layer, *a:
+                        calls.append((self.rows, layer)) or attend(self, layer, *a))
+    monkeypatch.setattr(fast_paged.DecodeAttention, "address", lambda self:
+                        plans.append(self.rows) or address(self))
+    return calls, plans
+
+
+def assert_through_plans(calls, plans, every_layer, steps):
+    """Every layer of the decode steps went through a plan: its C++ kernel, with one plan
+    installed a step and no call left to Python, where operators.cpp is built; else the
+    Python `DecodeAttention.attend`, every layer of every step."""
+    if operators.build() is None:
+        assert calls == [] and plans == [every_layer[0][0]] * steps
+    else:
+        assert calls == every_layer
 
 
 def decode_step_of_rows(dtype, lengths, seed=0):
@@ -352,11 +370,14 @@ def decode_step_of_rows(dtype, lengths, seed=0):
 @pytest.mark.parametrize("lengths", [[9], [9, 4, 7, 12, 1]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_gives_the_caches_own_attend_numbers(dtype, lengths):
-    """`DecodeAttention.attend` against the cache's `attend` on the same step, one row or rows
-    of different lengths: the same k/v written to the same slots and bit for bit the same
-    output, in every layer."""
+    """`DecodeAttention.attend`, and the C++ `attend` on its plan as a compiled step calls it
+    (operators.cpp; q as (B, 1, ...) and as one row, (1, B, ...)), against the cache's `attend`
+    on the same step, one row or rows of different lengths: the same k/v written to the same
+    slots and bit for bit the same output, in every layer."""
+    ways = ["plan", "attend"] + (["operator", "operator, one row"]
+                                 if operators.build() is None else [])
     out = {}
-    for way in ("plan", "attend"):
+    for way in ways:
         cache = decode_step_of_rows(dtype, lengths)
         a, B = cache.args, len(lengths)
         assert cache.plan.positions.tolist() == [[n] for n in lengths]
@@ -367,13 +388,22 @@ def test_decode_attention_gives_the_caches_own_attend_numbers(dtype, lengths):
         for layer in range(a.n_layers):
             q, k, v = (torch.randn(B, 1, h, a.head_dim, generator=gen).to(dtype)
                        for h in (a.n_heads, a.n_kv_heads, a.n_kv_heads))
-            ys.append(step.attend(layer, q, k, v))
+            if way.startswith("operator"):
+                one_row = way.endswith("one row")
+                with compiled_module.running_on(cache, B, 1):
+                    compiled_module._caches[-1] = None     # the Python function would fail
+                    q_, k_, v_ = (x.transpose(0, 1) if one_row else x for x in (q, k, v))
+                    y = torch.ops.minipaged.attend(q_, k_, v_, layer)
+                ys.append(y.transpose(0, 1) if one_row else y)
+            else:
+                ys.append(step.attend(layer, q, k, v))
         out[way] = ys, [(m.k_cache_paged.clone(), m.v_cache_paged.clone())
                         for m in cache.managers]
-    for y1, y2 in zip(out["plan"][0], out["attend"][0]):
-        assert y1.dtype == dtype and y1.shape == y2.shape and torch.equal(y1, y2)
-    for (k1, v1), (k2, v2) in zip(out["plan"][1], out["attend"][1]):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    for way in ways[:1] + ways[2:]:
+        for y1, y2 in zip(out[way][0], out["attend"][0]):
+            assert y1.dtype == dtype and y1.shape == y2.shape and torch.equal(y1, y2), way
+        for (k1, v1), (k2, v2) in zip(out[way][1], out["attend"][1]):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2), way
 
 
 @pytest.mark.parametrize("lengths", [[9], [9, 4, 7]])
@@ -390,6 +420,10 @@ def test_decode_attention_refuses_keys_of_another_dtype_and_changes_nothing(leng
         with pytest.raises(RequestError, match=r"the new keys and values must be "
                            r"torch.bfloat16, the cache's dtype \(got torch.float32\)"):
             step.attend(0, q, k_, v_)
+        if operators.build() is None:     # the C++ kernel leaves such a call to the function
+            with compiled_module.running_on(cache, B, 1), pytest.raises(
+                    RequestError, match="the new keys and values must be torch.bfloat16"):
+                torch.ops.minipaged.attend(q, k_, v_, 0)
     assert all(torch.equal(k0, m.k_cache_paged) and torch.equal(v0, m.v_cache_paged)
                for (k0, v0), m in zip(before, cache.managers))
 
@@ -510,15 +544,13 @@ def test_batch_decode_steps_on_the_fast_engine_attend_through_one_plan_a_step(ba
     attend through one `DecodeAttention` a step for all rows: every layer of every step after
     the prompts' goes through it, and the greedy tokens are the no-cache references'."""
     model, fast = batches_pair
-    calls = []
-    real = fast_paged.DecodeAttention.attend
-    monkeypatch.setattr(fast_paged.DecodeAttention, "attend", lambda self, layer, *a:
-                        calls.append((self.rows, layer)) or real(self, layer, *a))
+    calls, plans = record_decode_attention(monkeypatch)
     got = generate(fast, PROMPTS, 8, cache="paged", stop_tokens=[], max_seq_len=64,
                    block_size=4, engine_class=FastEngine, max_num_batched_tokens=budget)
     assert got == [greedy_reference(model, p, 8) for p in PROMPTS]
     # the prompts' step(s) first, then 7 steps of the 3 rows, one plan each
-    assert calls == [(3, layer) for layer in range(model.args.n_layers)] * 7
+    assert_through_plans(calls, plans, [(3, layer) for layer in range(model.args.n_layers)] * 7,
+                         steps=7)
 
 
 def test_the_compiled_batch_steps_logits_are_the_eager_ones(batches_pair):

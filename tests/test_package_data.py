@@ -26,6 +26,6 @@ def test_every_file_the_package_reads_is_package_data():
     files = subprocess.run(["git", "ls-files", "minipaged"], cwd=ROOT, capture_output=True,
                            text=True, check=True).stdout.split()
     others = [f for f in files if not f.endswith(".py")]
-    assert "minipaged/fast/panels.c" in others and "minipaged/fast/panel_op.cpp" in others
+    assert "minipaged/fast/panels.c" in others and "minipaged/fast/operators.cpp" in others
     assert [f for f in others if not shipped(f, package_data)] == []
     assert not shipped("minipaged/fast/panels.c", {"minipaged": ["cpu_attention.c"]})

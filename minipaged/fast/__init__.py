@@ -8,6 +8,8 @@
                     freezing), and with batches=True its other steps into a second one,
                     attention left to the cache; with fewer_threads=True each also for one
                     thread fewer; optional, eager when it cannot
+    operators.py    the compiled steps' two operators (products, attention) with their CPU
+                    kernels in C++ (operators.cpp), so that a step's calls stay out of Python
     contiguous.py   FastContiguousCache: stage 1's contiguous cache, decode row by row over views
     paged.py        FastPagedCache, FastEngine: stage 3's paged cache with a step's bookkeeping
                     planned once for all layers, and stage 3b's C kernel for decode on a CPU

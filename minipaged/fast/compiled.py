@@ -16,8 +16,8 @@ other steps through the cache's `attend`. Two graphs:
 
   * the decode step of one sequence (`CompiledDecode`), its shapes fixed, where a token's
     small operations weigh most against its arithmetic; its matrix-vector products written
-    by the compiler itself (`max_autotune`), or in fp32, where the operator below is
-    registered in C++, matvec.py's C kernel;
+    by the compiler itself (`max_autotune`), or in fp32, where the operators are registered
+    in C++ (below), matvec.py's C kernel;
   * with `batches=True`, every other step on a cache (`CompiledBatches`): a batch of decode
     rows, a prompt, a packed step, its tokens laid out in one row as vLLM lays out a step and
     their number symbolic, so one graph serves every size (on SmolLM2 in bf16, a decode step
@@ -26,9 +26,10 @@ other steps through the cache's `attend`. Two graphs:
     compiler too, for any number of rows (`batch_options`, where the measurements are); in
     fp32 they are matvec.py's C kernel, `minipaged::panel_linear`, which the graph calls as
     it calls attention (where that kernel cannot be built, oneDNN's, packed under freezing).
-    In fp32 `compile_decode` first registers that operator's kernel in C++ (matvec.py's
-    `panel_operator`), so that its calls stay out of Python; where no C++ compiler builds it,
-    the Python function serves them and the graph of one row keeps the compiler's products.
+
+`compile_decode` first registers both operators' CPU kernels in C++ (operators.py), so that
+their calls stay out of Python; where no C++ compiler builds them, their Python functions serve
+them, and the graph of one row keeps the compiler's products.
 
 Both graphs are compiled with inductor's `cpp_wrapper`: the code that calls a graph's kernels
 and the two operators one after another, hundreds of calls a step, is generated C++ rather than
@@ -53,6 +54,7 @@ drop a thread while another process holds a core (`threads.py`). The model's
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -62,7 +64,7 @@ import torch.nn as nn
 
 from ..kv_cache import ContiguousCache
 from .fused_llama import FusedLlama, rotary_cos_sin
-from .matvec import panel_operator
+from . import operators
 from .paged import decode_attention_of
 
 log = logging.getLogger(__name__)
@@ -92,11 +94,30 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> tor
 
 
 _lib.impl("attend", attend, "CompositeExplicitAutograd")
+# the same function under a second name, for operators.cpp's `attend` to fall back on: once
+# that is registered for the CPU, it is what `attend` runs there
+_lib.define("attend_python(Tensor q, Tensor k, Tensor v, int layer) -> Tensor")
+_lib.impl("attend_python", attend, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("minipaged::attend", lib=_lib)
 def _(q, k, v, layer):
     return q.new_empty(q.shape)
+
+
+@contextlib.contextmanager
+def running_on(cache, B: int, T: int):
+    """A compiled step of B rows of T tokens on `cache`, for `attend`: on the speed layer's
+    paged cache, a decode step's attention worked out once for all layers (`DecodeAttention`),
+    and its plan installed for the C++ kernel (operators.py)."""
+    plan = decode_attention_of(cache)
+    _caches.append((plan or cache, B, T))
+    before = operators.install(plan and plan.address())
+    try:
+        yield
+    finally:
+        operators.install(before)
+        _caches.pop()
 
 
 def inference_tensors(*tensors) -> list:
@@ -133,13 +154,10 @@ class CompiledDecode:
     @torch.inference_mode()
     def __call__(self, tokens, positions, cache):
         tokens, positions = inference_tensors(tokens, positions)
-        # on the speed layer's paged cache, the step's attention worked out once for all layers
-        _caches.append((decode_attention_of(cache) or cache, 1, 1))
-        try:   # the options must hold whenever inductor compiles (torch.compile's `options=`
-            with inductor_config.patch(OPTIONS):    # loses freezing), and only then
-                return self.step(tokens, positions)
-        finally:
-            _caches.pop()
+        # the options must hold whenever inductor compiles (torch.compile's `options=` loses
+        # freezing), and only then
+        with running_on(cache, 1, 1), inductor_config.patch(OPTIONS):
+            return self.step(tokens, positions)
 
 
 class BatchStep(nn.Module):
@@ -188,12 +206,8 @@ class CompiledBatches:
                                   positions.reshape(1, B * T))
         # a decode step on the speed layer's paged cache (a batch of rows, one token each, or
         # stage 5b's packed step of decode rows alone): its attention worked out once
-        _caches.append((decode_attention_of(cache) or cache, B, T))
-        try:
-            with inductor_config.patch(self.options):
-                logits = self.step(tokens.reshape(1, B * T), cos, sin, keep)   # (1, K', vocab)
-        finally:
-            _caches.pop()
+        with running_on(cache, B, T), inductor_config.patch(self.options):
+            logits = self.step(tokens.reshape(1, B * T), cos, sin, keep)       # (1, K', vocab)
         return logits[0, :K].view(B, K // B, -1)
 
 
@@ -232,10 +246,10 @@ def compile_decode(fast: FusedLlama, batches: bool = False, fewer_threads: bool 
     took (NaN if it failed: `fast` stays eager). Later steps of `fast` run compiled, and
     `fast.compiled_threads` holds the thread counts compiled for."""
     p = next(fast.parameters())
-    if p.dtype == torch.float32 and p.device.type == "cpu":   # the products' operator in
-        why = panel_operator()                                # C++, before any graph
+    if p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16):
+        why = operators.build()            # the operators' kernels in C++, before any graph
         if why:
-            log.info("minipaged::panel_linear stays in Python: %s", why)
+            log.info("the compiled steps' operators stay in Python: %s", why)
     threads = torch.get_num_threads()
     counts = (threads, threads - 1) if fewer_threads and threads > 1 else (threads,)
     start = time.perf_counter()

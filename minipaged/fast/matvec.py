@@ -26,12 +26,11 @@ Measured on SmolLM2 (the products of one step, every layer's weights read once, 
 its passes over each panel read x again and again, and torch's plain product (MKL) is faster
 (the kernel took 303 ms at 384 rows against MKL's 317, level at 512, 673 at 768 against 597).
 Compiled steps call it as `minipaged::panel_linear`, whose CPU kernel `compile_decode` has
-registered in C++ (`panel_operator`, panel_op.cpp) where a C++ compiler builds it, so that the
-hundreds of calls a step make no trip back into Python: on SmolLM2 (separate processes in turn,
-medians of five), decode steps of 4 rows took 27.9 and 27.1 ms against 30.0 and 28.6 through
-the Python function, of 16 rows 39.1 and 38.5 against 41.6 and 41.1. Then the compiled step of
-one row multiplies through the kernel too (24.0 and 24.1 ms against 25.0 and 25.7 with the
-compiler's own products); through the Python function it gained nothing.
+registered in C++ (operators.py, with the measurements) where a C++ compiler builds it, so
+that the hundreds of calls a step make no trip back into Python. Then the compiled step of one
+row multiplies through the kernel too (on SmolLM2, separate processes in turn, medians of five:
+24.0 and 24.1 ms against 25.0 and 25.7 with the compiler's own products); through the Python
+function it gained nothing.
 
 In bf16, and in fp32 where the kernel cannot be built, several rows go to oneDNN's kernel, on a
 copy of the weight that oneDNN has packed ahead of time into the tiles its kernel reads
@@ -46,17 +45,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..cpu_attention import build_function, compiler
+from ..cpu_attention import build_function
 
 PANEL = 32                                   # outputs a panel (panels.c's NR)
 # AVX-512 (-march=native on a CPU that has it) and OpenMP, or no kernel: oneDNN's products
@@ -114,44 +109,7 @@ def _(x, panels, weight_t):
     return x.new_empty(x.shape[0], panels.shape[0] * PANEL)
 
 
-operator_in_cpp = False     # `panel_operator` has registered the C++ kernel: one row goes too
-
-
-@functools.cache
-def panel_operator() -> str | None:
-    """Register `panel_linear`'s work in C++ as the operator's CPU kernel (panel_op.cpp, linked
-    with panels.c against torch's libraries); None once registered, else a sentence saying why
-    not (the Python `panel_linear` above then serves every call). Built once a process, in a few
-    seconds, by the machine's C and C++ compilers ($CC, $CXX): `compile_decode` asks for it."""
-    kernel = panel_kernel()
-    if isinstance(kernel, str):
-        return kernel
-    cxx = os.environ.get("CXX") or next(filter(None, map(shutil.which, ("c++", "g++", "clang++"))),
-                                        None)
-    if cxx is None:
-        return "no C++ compiler was found (set CXX, or install g++ or clang++)"
-    from torch.utils.cpp_extension import include_paths, library_paths
-    here, (cflags, ldflags) = Path(__file__).parent, FLAGS[0]
-    with tempfile.TemporaryDirectory(prefix="minipaged-") as tmp:
-        obj, lib = Path(tmp, "panels.o"), Path(tmp, "panel_op.so")
-        steps = [[compiler(), *cflags, "-fPIC", "-c", str(here / "panels.c"), "-o", str(obj)],
-                 [cxx, "-O2", "-std=c++20", "-fPIC", "-shared", str(here / "panel_op.cpp"),
-                  str(obj), "-o", str(lib), f"-DPANEL={PANEL}", f"-DMOST_ROWS={MOST_ROWS}",
-                  f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-                  *(f"-I{p}" for p in include_paths()), *(f"-L{p}" for p in library_paths()),
-                  "-ltorch_cpu", "-lc10", *ldflags]]
-        try:
-            for step in steps:
-                subprocess.run(step, check=True, capture_output=True, text=True, timeout=300)
-            torch.ops.load_library(str(lib))                           # loaded: tmp may go
-        except (OSError, subprocess.SubprocessError) as e:
-            lines = (getattr(e, "stderr", None) or str(e)).strip().splitlines() or \
-                [type(e).__name__]
-            return f"{Path(cxx).name} could not build panel_op.cpp: " + \
-                next((line for line in lines if "error" in line), lines[0])
-    global operator_in_cpp
-    operator_in_cpp = True
-    return None
+operator_in_cpp = False     # operators.py has registered the C++ kernel: one row goes too
 
 
 def onednn_weight(weight: torch.Tensor):

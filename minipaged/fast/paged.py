@@ -31,6 +31,7 @@ static batch. The results are stage 3's, up to the order of the sums.
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 from typing import NamedTuple
 
@@ -48,6 +49,7 @@ from ..errors import RequestError
 from ..paged_cache import PagedCache
 from ..sharing import SharedPagedCache
 from ..speculative import SpeculativeEngine
+from . import operators
 from .contiguous import attend_rows, upcast
 from .threads import AdaptiveThreads
 
@@ -313,7 +315,8 @@ class DecodeAttention:
     step: the slots looked up, the tables and lengths converted to int64, the kernel found);
     here a layer writes its k and v into their slots (two copies along the pools' slots; at
     one row, two plain memory copies) and calls the kernel, nothing more. The same numbers as
-    `attend`."""
+    `attend`. A compiled step's `attend` does the same in C++ (operators.cpp), from the plan
+    `address` lays out."""
 
     def __init__(self, cache, Hq: int, Hk: int, D: int):
         plan, managers = cache.plan, cache.managers
@@ -324,21 +327,30 @@ class DecodeAttention:
         self.nbytes = Hk * D * pool.itemsize                     # one token's k (or v)
         self.tables = plan.tables.contiguous()                   # (layers, B, n) int64
         self.lens = plan.seqlens_k.contiguous()                  # (B,) int64
-        slots = plan.slot_mapping                                # (layers, B): the new tokens'
-        width, table = self.tables.shape[2], self.tables.data_ptr()
-        block_size, scale = cache.block_size, D ** -0.5
-        self.layers = []     # per layer: (where k and v go, the kernel's other arguments)
-        for layer, m in enumerate(managers):
+        self.slots = plan.slot_mapping                           # (layers, B): the new tokens'
+        self.managers, self.heads = managers, (Hq, Hk, D)
+        self.block_size, self.scale = cache.block_size, D ** -0.5
+        self.threads = torch.get_num_threads()
+        self._plan = None
+
+    @functools.cached_property
+    def layers(self) -> list:
+        """Per layer: (where k and v go, the kernel's other arguments), for `attend` (the C++
+        kernel reads the same from `address`'s plan)."""
+        (_, Hk, D), width, table = self.heads, self.tables.shape[2], self.tables.data_ptr()
+        layers = []
+        for layer, m in enumerate(self.managers):
             kc, vc = m.k_cache_paged, m.v_cache_paged
             if self.rows == 1:                                   # addresses, for memmove
-                slot = int(slots[layer, 0])
+                slot = int(self.slots[layer, 0])
                 to = (kc.data_ptr() + slot * self.nbytes, vc.data_ptr() + slot * self.nbytes)
             else:                                                # the pools as rows of slots
-                to = (kc.view(-1, Hk, D), vc.view(-1, Hk, D), slots[layer])
-            self.layers.append((to, (kc.data_ptr(), vc.data_ptr(),
-                                     table + layer * self.rows * width * 8, width,
-                                     self.lens.data_ptr(), self.rows, Hk, block_size, scale)))
-        self.threads = torch.get_num_threads()
+                to = (kc.view(-1, Hk, D), vc.view(-1, Hk, D), self.slots[layer])
+            layers.append((to, (kc.data_ptr(), vc.data_ptr(),
+                                table + layer * self.rows * width * 8, width,
+                                self.lens.data_ptr(), self.rows, Hk, self.block_size,
+                                self.scale)))
+        return layers
 
     def attend(self, layer: int, q, k, v):
         """`cache.attend(layer, q, k, v)` for this step: q (B, 1, Hq, D), k and v (B, 1, Hk, D)
@@ -361,6 +373,25 @@ class DecodeAttention:
         out = torch.empty(self.shape)
         self.kernel(q32.data_ptr(), *args, out.data_ptr(), self.threads)
         return out.view(q.shape).to(q.dtype)
+
+    def address(self) -> int | None:
+        """Where this step's plan lies for operators.cpp's `attend` (`operators.install`), laid
+        out once; None where no kernel serves it."""
+        if isinstance(self.kernel, str):
+            return None
+        if self._plan is None:
+            Hq, Hk, D = self.heads
+            slots = self.slots.to(torch.int64).contiguous()             # (layers, B)
+            pools = (ctypes.c_void_p * (2 * len(self.managers)))(
+                *(t.data_ptr() for m in self.managers for t in (m.k_cache_paged,
+                                                                 m.v_cache_paged)))
+            plan = operators.DecodePlan(
+                ctypes.cast(self.kernel, ctypes.c_void_p).value, len(self.managers), self.rows,
+                Hq, Hk, D, self.block_size, self.tables.shape[2], self.nbytes,
+                self.dtype == torch.bfloat16, self.scale, self.lens.data_ptr(),
+                slots.data_ptr(), self.tables.data_ptr(), ctypes.addressof(pools))
+            self._plan = plan, slots, pools                # what its pointers point into
+        return ctypes.addressof(self._plan[0])
 
 
 def compiled_thread_counts(model):
