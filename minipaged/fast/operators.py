@@ -1,4 +1,4 @@
-"""The CPU kernels of two operators the compiled steps call, in C++: `build()`, `install(plan)`.
+"""Two operators' CPU kernels in C++, for the compiled steps: `build()`, `install(address)`.
 
 A compiled step (compiled.py) calls `minipaged::panel_linear` for its products (121 calls a
 SmolLM2 step) and `minipaged::attend` for its attention (30), through torch's dispatcher. Both
@@ -15,10 +15,19 @@ and registers C++ kernels for both on the CPU, which then serve every CPU call:
     contiguous cache; or a call the plan does not fit) goes to the Python function through
     `minipaged::attend_python`.
 
-Measured on SmolLM2 in fp32 (separate processes in turn, medians of five, the 2-core Intel
-machine of the serving benchmark): with `panel_linear` in C++, decode steps of 4 rows took 27.9
-and 27.1 ms against 30.0 and 28.6, of 16 rows 39.1 and 38.5 against 41.6 and 41.1; a layer's
-attention at one row spent 35 of its 63 microseconds in Python around the kernel.
+Measured on SmolLM2 in fp32, decode steps in ms, each comparison two builds in processes taking
+turns, two of each, medians of five (the 2-core Intel machine of the serving benchmark):
+
+    panel_linear in C++ against Python      4 rows 27.9, 27.1 against 30.0, 28.6
+                                            16 rows 39.1, 38.5 against 41.6, 41.1
+    then one row through the kernel too     1 row 24.0, 24.1 against 25.0, 25.7
+    (with the Python function it gained nothing)
+    then attend in C++ too                  1 row 21.0, 21.7 against 23.4, 23.7
+                                            4 rows 24.0, 24.1 against 26.5, 26.8
+                                            16 rows 33.8, 34.3 against 36.6, 36.8
+
+Before, a layer's attention at one row spent 35 of its 63 microseconds in Python around the
+kernel, and the trip from the compiled graph into Python came on top.
 
 The build takes a few seconds, once a process, and needs the C compiler panels.c builds with
 and a C++ compiler ($CXX, else c++, g++ or clang++); where either is missing, `build` returns a
