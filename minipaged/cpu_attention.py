@@ -84,9 +84,16 @@ def build_function(source: Path, name: str, defines=(), flags=FLAGS):
                     subprocess.run(step, check=True, capture_output=True, text=True, timeout=120)
                 return getattr(ctypes.CDLL(str(lib)), name)          # loaded: tmp may go
             except (OSError, subprocess.SubprocessError) as e:   # the next line of flags
-                lines = (getattr(e, "stderr", None) or str(e)).strip().splitlines()
-                error = lines[0] if lines else type(e).__name__
+                error = build_error(e)
     return f"{Path(cc).name} could not build {source.name}: {error}"
+
+
+def build_error(e: Exception) -> str:
+    """The line of a failed build that says why: the compiler's first line naming an error
+    (its output may open with "In file included from ..."), else its first line, else the
+    exception's."""
+    lines = (getattr(e, "stderr", None) or str(e)).strip().splitlines() or [type(e).__name__]
+    return next((line for line in lines if "error" in line), lines[0])
 
 
 def why_not_cpu(q, k_cache) -> str | None:

@@ -97,10 +97,11 @@ def test_building_leaves_tiny_floats_alone():
 
 
 def test_a_compiler_that_fails_is_a_sentence(monkeypatch, tmp_path):
-    """A compiler that exits with an error: its first line, in why_not's sentence, and in the
-    error of a direct call of the kernel."""
+    """A compiler that exits with an error: the line naming it (not the "In file included"
+    line before it), in why_not's sentence, and in the error of a direct call of the kernel."""
     fake = tmp_path / "cc"
-    fake.write_text("#!/bin/sh\necho 'fatal error: the test made me fail' >&2\nexit 1\n")
+    fake.write_text("#!/bin/sh\necho 'In file included from x.h' >&2\n"
+                    "echo 'fatal error: the test made me fail' >&2\nexit 1\n")
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
     cpu_attention.build.cache_clear()

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from ..cpu_attention import compiler
+from ..cpu_attention import build_error, compiler
 from . import matvec
 
 SOURCE = Path(__file__).with_name("operators.cpp")
@@ -99,10 +99,7 @@ def build() -> str | None:
             torch.ops.load_library(str(lib))                           # loaded: tmp may go
             _install = ctypes.CDLL(str(lib)).minipaged_install_plan
         except (OSError, subprocess.SubprocessError) as e:
-            lines = (getattr(e, "stderr", None) or str(e)).strip().splitlines() or \
-                [type(e).__name__]
-            return f"{Path(cxx).name} could not build {SOURCE.name}: " + \
-                next((line for line in lines if "error" in line), lines[0])
+            return f"{Path(cxx).name} could not build {SOURCE.name}: {build_error(e)}"
     _install.argtypes, _install.restype = [ctypes.c_void_p], ctypes.c_void_p
     matvec.operator_in_cpp = True
     return None
