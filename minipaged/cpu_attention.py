@@ -66,9 +66,10 @@ def build(dtype: torch.dtype, head_dim: int, group: int):
     return kernel
 
 
-def build_function(source: Path, name: str, defines=(), flags=FLAGS):
-    """The C function `name` of `source`, compiled with `defines` by the machine's compiler, the
-    first line of `flags` that builds it winning; or a sentence saying why none could."""
+def build_function(source: Path, name, defines=(), flags=FLAGS):
+    """The C function `name` of `source` (a tuple of them for a tuple of names), compiled with
+    `defines` by the machine's compiler, the first line of `flags` that builds it winning; or a
+    sentence saying why none could."""
     cc = compiler()
     if cc is None:
         return "no C compiler was found (set CC, or install gcc or clang)"
@@ -82,7 +83,9 @@ def build_function(source: Path, name: str, defines=(), flags=FLAGS):
             try:
                 for step in steps:
                     subprocess.run(step, check=True, capture_output=True, text=True, timeout=120)
-                return getattr(ctypes.CDLL(str(lib)), name)          # loaded: tmp may go
+                library = ctypes.CDLL(str(lib))                        # loaded: tmp may go
+                return getattr(library, name) if isinstance(name, str) else \
+                    tuple(getattr(library, n) for n in name)
             except (OSError, subprocess.SubprocessError) as e:   # the next line of flags
                 error = build_error(e)
     return f"{Path(cc).name} could not build {source.name}: {error}"

@@ -12,7 +12,8 @@ import torch
 
 from conftest import greedy_reference, tiny_model
 from minipaged import UsageError, generate
-from minipaged.fast import FastEngine, FusedLlama, compile_decode
+from minipaged.fast import FastEngine, FusedLlama, compile_decode, matvec
+from minipaged.fast.matvec import panel_helper
 from minipaged.fast.threads import AdaptiveThreads, busy_seconds
 
 
@@ -185,6 +186,9 @@ def test_a_model_compiled_for_one_thread_fewer_drops_to_it_without_compiling_aga
     fast.compiled_batches = lambda *a, **k: calls.append(("many", torch.get_num_threads())) \
         or many(*a, **k)
     busy_from_the_second_reading(monkeypatch)
+    helper = []                  # panels.c's helper turned on (True) and off, in turn
+    monkeypatch.setattr(matvec, "panel_helper", lambda start: helper.append(
+        (start, torch.get_num_threads())) or panel_helper(start))
     prompts = [list(range(1, 19)), [5, 6], list(range(30, 45))]
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     try:
@@ -198,3 +202,6 @@ def test_a_model_compiled_for_one_thread_fewer_drops_to_it_without_compiling_aga
     assert set(calls[1:]) <= {("many", 1), ("one", 1)}
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert torch.get_num_threads() == 2
+    # on at each reading while down to one thread, off when the run ended
+    assert helper[0] == (True, 1) and set(helper[:-1]) == {(True, 1)} and helper[-1] == (False, 2)
+    assert not matvec.panel_helper_state()[0]

@@ -7,7 +7,11 @@ and through the engine; the real weights (SmolLM2 against transformers) are in t
 
 import logging
 import math
+import os
 import random
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -116,6 +120,56 @@ def test_the_panel_product_is_a_product_at_every_number_of_rows(out_features, in
             assert torch.equal(mv(x), got)
     for product in (matvec.panel_linear, torch.ops.minipaged.panel_linear):
         assert product(x[:0], mv.panels, mv._weight_t()).shape == (0, out_features)
+
+
+@pytest.mark.skipif(isinstance(matvec.panel_kernel(), str), reason="the panel kernel needs "
+                    "AVX-512 and a C compiler (test_the_panel_kernel_builds_where_...)")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the helper takes another core")
+def test_with_the_helper_each_panel_product_is_the_same_bit_for_bit():
+    """panels.c's helper (on while another process holds a core and a step runs on one
+    thread) takes chunks of panels beside the caller, which takes back any the helper is slow
+    with. With a Python busy loop on the helper's core, so that it is stopped mid-chunk now and
+    then, thousands of one-thread products equal the products without the helper bit for bit
+    (rows 1 to 40; 5 panels, a chunk and a part-full one; 192 panels); the helper multiplied
+    chunks and chunks were taken back from it. Quiet, it sleeps between products 20 ms apart,
+    and each product wakes it again. Stopped, it is off."""
+    operators.build()                   # the copy of panels.c that serves the products
+    gen = torch.Generator().manual_seed(7)
+    weights = [torch.randn(n, 576, generator=gen) for n in (160, 6144)]
+    cases = [(MatVec(w), torch.randn(rows, 576, generator=gen))
+             for w in weights for rows in (1, 2, 7, 12, 13, 40)]
+    product = torch.ops.minipaged.panel_linear
+    threads, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
+    here, there = sorted(affinity)[:2]
+    busy = None
+    try:
+        torch.set_num_threads(1)
+        want = [product(x, mv.panels, mv._weight_t()) for mv, x in cases]   # no helper
+        os.sched_setaffinity(0, {here})           # this thread; the helper goes elsewhere
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        os.sched_setaffinity(busy.pid, {there})
+        _, helped, taken = matvec.panel_helper_state()
+        assert matvec.panel_helper(True) == 0 and matvec.panel_helper_state()[0]
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            for (mv, x), y in zip(cases, want):
+                assert torch.equal(product(x, mv.panels, mv._weight_t()), y)
+        on, helped_busy, taken_busy = matvec.panel_helper_state()
+        assert on and helped_busy > helped and taken_busy > taken
+        busy.kill()
+        busy.wait()
+        (mv, x), y = cases[6], want[6]            # 192 panels, one row
+        for _ in range(40):                       # quiet, and products far apart
+            time.sleep(0.02)
+            assert torch.equal(product(x, mv.panels, mv._weight_t()), y)
+        assert matvec.panel_helper_state()[1] > helped_busy
+    finally:
+        if busy is not None:
+            busy.kill()
+        matvec.panel_helper(False)
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+    assert not matvec.panel_helper_state()[0]
 
 
 @pytest.mark.skipif(isinstance(matvec.panel_kernel(), str), reason="the panel kernel needs "

@@ -17,7 +17,9 @@
                     every option of `minipaged.Engine`, speculative decoding included
     threads.py      AdaptiveThreads: FastEngine's steps on one thread fewer while another
                     process holds a core (each barrier would wait for the thread sharing it);
-                    compiled steps only among the thread counts they were compiled for
+                    compiled steps only among the thread counts they were compiled for; down
+                    to one thread, panels.c's helper takes part in the fp32 products from the
+                    held core, in the turns it gets there
 
 Nothing in the stages imports this package: it runs only when asked for, e.g.
 `generate(fast, prompts, n, cache="paged", engine_class=FastEngine)`.

@@ -62,12 +62,51 @@ MOST_ROWS = 384          # more rows than this (most of a prompt chunk) go to on
 @functools.cache
 def panel_kernel():
     """panels.c's `panel_linear`, or a sentence saying why it could not be built (`FLAGS`)."""
-    kernel = build_function(Path(__file__).with_name("panels.c"), "panel_linear", flags=FLAGS)
-    if not isinstance(kernel, str):
-        P, I = ctypes.c_void_p, ctypes.c_int
-        kernel.argtypes = [P, P, P, I, I, I, I]
-        kernel.restype = None
+    functions = build_function(Path(__file__).with_name("panels.c"),
+                               ("panel_linear", "panel_helper", "panel_helper_state"),
+                               flags=FLAGS)
+    if isinstance(functions, str):
+        return functions
+    kernel, *helper = functions
+    P, I = ctypes.c_void_p, ctypes.c_int
+    kernel.argtypes = [P, P, P, I, I, I, I]
+    kernel.restype = None
+    add_helper("ctypes", *helper)
     return kernel
+
+
+helpers = {}      # each built copy of panels.c: its panel_helper and panel_helper_state
+
+
+def add_helper(library: str, start_stop, state) -> None:
+    """Keep the helper functions of a built copy of panels.c (`panel_kernel`'s, "ctypes", or
+    operators.py's, "operators") for `panel_helper`."""
+    start_stop.argtypes, start_stop.restype = [ctypes.c_int], ctypes.c_int
+    state.argtypes, state.restype = [ctypes.POINTER(ctypes.c_long)], None
+    helpers[library] = start_stop, state
+
+
+def panel_helper(start: bool) -> int:
+    """Start panels.c's helper thread (start=True; called again, it is placed anew), or stop it
+    and wait for it to end (False): while it runs, products on one thread share their panels
+    with it (the end of panels.c says how). Started in the copy of panels.c that serves the
+    products (operators.py's where it is built), stopped in every copy. Returns 0, else an
+    errno; 0 where no kernel is built."""
+    serving = "operators" if operator_in_cpp else "ctypes"
+    errors = [start_stop(int(start and library == serving))
+              for library, (start_stop, _) in helpers.items()]
+    return next(filter(None, errors), 0)
+
+
+def panel_helper_state() -> tuple[bool, int, int]:
+    """Whether the helper is on in the copy of panels.c that serves the products, how many
+    chunks of panels it has multiplied there so far, and how many were taken back from it;
+    (False, 0, 0) where no kernel is built."""
+    state = (ctypes.c_long * 3)()
+    library = helpers.get("operators" if operator_in_cpp else "ctypes")
+    if library is not None:
+        library[1](state)
+    return bool(state[0]), state[1], state[2]
 
 
 def panel_weight(weight: torch.Tensor):

@@ -97,10 +97,13 @@ def build() -> str | None:
             for step in steps:
                 subprocess.run(step, check=True, capture_output=True, text=True, timeout=300)
             torch.ops.load_library(str(lib))                           # loaded: tmp may go
-            _install = ctypes.CDLL(str(lib)).minipaged_install_plan
+            library = ctypes.CDLL(str(lib))
+            _install = library.minipaged_install_plan
         except (OSError, subprocess.SubprocessError) as e:
             return f"{Path(cxx).name} could not build {SOURCE.name}: {build_error(e)}"
     _install.argtypes, _install.restype = [ctypes.c_void_p], ctypes.c_void_p
+    matvec.panel_helper(False)        # (where panel_kernel's copy had one running)
+    matvec.add_helper("operators", library.panel_helper, library.panel_helper_state)
     matvec.operator_in_cpp = True
     return None
 

@@ -14,8 +14,15 @@
    prefetcher, 5-43% longer; counted out by a branch that varied from one k to the next, some
    row counts ran up to a fifth slower, which ones depending on where the compiler placed the
    loop. Each pass also asks for its own panel's rows PREFETCH rows ahead (into L1). Built with
-   -march=native on a CPU with AVX-512F. */
+   -march=native on a CPU with AVX-512F.
+
+   On one thread, a helper may take part (`panel_helper`, at the end of this file). */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <string.h>
 #include <immintrin.h>
 #include <omp.h>
 
@@ -63,22 +70,196 @@ typedef void (*pass_fn)(const float *, int, const float *, float *, int, const c
 static const pass_fn PASSES[MR_MAX + 1] = {0, pass_1, pass_2, pass_3, pass_4, pass_5, pass_6,
                                            pass_7, pass_8, pass_9, pass_10, pass_11, pass_12};
 
+/* panels [first, last) of y's columns into y0 (row stride ystride), x: (M, K) */
+static void panels_into(const float *x, const float *panels, float *y0, int ystride, int M,
+                        int K, int first, int last) {
+    int passes = (M + MR_MAX - 1) / MR_MAX, rows = (M + passes - 1) / passes;  /* even passes */
+    for (int p = first; p < last; p++) {
+        const float *w = panels + (int64_t)p * K * NR;
+        const char *next = p + 1 < last ? (const char *)(w + (int64_t)K * NR) : 0;
+        for (int m0 = 0, j = 0; m0 < M; m0 += rows, j++) {
+            int mr = M - m0 < rows ? M - m0 : rows;
+            PASSES[mr](x + (int64_t)m0 * K, K, w, y0 + (int64_t)m0 * ystride + (p - first) * NR,
+                       ystride, next, j, passes);
+        }
+    }
+}
+
+static int shared_linear(const float *x, const float *panels, float *y, int M, int N, int K);
+
 void panel_linear(const float *x, const float *panels, float *y, int M, int N, int K,
                   int threads) {
+    if (threads == 1 && shared_linear(x, panels, y, M, N, K))
+        return;
     int count = N / NR;
-    int passes = (M + MR_MAX - 1) / MR_MAX, rows = (M + passes - 1) / passes;  /* even passes */
     #pragma omp parallel num_threads(threads)
     {   /* each thread one contiguous run of panels, [first, last) */
         int t = omp_get_thread_num(), n = omp_get_num_threads();
         int first = (int)((int64_t)count * t / n), last = (int)((int64_t)count * (t + 1) / n);
-        for (int p = first; p < last; p++) {
-            const float *w = panels + (int64_t)p * K * NR;
-            const char *next = p + 1 < last ? (const char *)(w + (int64_t)K * NR) : 0;
-            for (int m0 = 0, j = 0; m0 < M; m0 += rows, j++) {
-                int mr = M - m0 < rows ? M - m0 : rows;
-                PASSES[mr](x + (int64_t)m0 * K, K, w, y + (int64_t)m0 * N + p * NR, N, next, j,
-                           passes);
+        panels_into(x, panels, y + first * NR, N, M, K, first, last);
+    }
+}
+
+/* The helper: one more thread for when a step runs on one thread because another process holds
+   a core (threads.py turns it on and off). It sits on that held core and gets a turn there only
+   now and then, for a few milliseconds. A static split would make every product wait for its
+   turn; here, as in a work queue, the calling thread and the helper each take the next CHUNK
+   panels while any are left, and the calling thread, out of panels, waits for the helper's
+   chunk only a little (PATIENCE) before taking it back and multiplying it itself. So no product
+   waits for the helper's turn, and while it has one, two cores read weights.
+
+   Each product has a number (`gen`). `claim` holds its low 32 bits, the product's count of
+   chunks and the next chunk to take: the caller takes one by adding 1, the helper by a
+   compare-and-swap, which fails once the caller has moved on. A chunk's state in `owner`
+   carries the product's number too. A chunk the helper is working on (WORKING) becomes either
+   its (COMMITTING, then DONE) or the caller's again (TAKEN), by one compare-and-swap, whichever
+   comes first: the helper multiplies into a buffer of its own and copies its chunk into y only
+   once it has won. It reads x from a copy (`stage`, two of them, one per product in turn), so
+   a helper that wakes late finds its chunk taken and its copy of x stale, never x itself, which
+   the caller may have freed by then. The weights must outlive the helper: threads.py stops it
+   (and waits for it) when a run ends. */
+#define CHUNK 4                  /* panels a chunk */
+#define MAX_CHUNKS 4096
+#define STAGE (1 << 18)          /* floats of x a product may have, and of a chunk's outputs */
+#define PATIENCE 1000            /* pauses (tens of cycles or more each) before taking back */
+#define IDLE 4000                /* pauses the helper spins with nothing to do, then sleeps */
+enum { TAKEN, WORKING, COMMITTING, DONE };
+#define STATE(g, s) ((g) << 2 | (s))
+#define CLAIM(g, chunks, next) ((uint64_t)(uint32_t)(g) << 32 | (uint64_t)(chunks) << 16 | (next))
+#define LEFT(w) (((w) & 0xffff) < ((w) >> 16 & 0xffff))           /* chunks left to take */
+
+static struct { const float *panels; float *y; int M, N, K, count; uint64_t gen; } op;
+static _Atomic uint64_t claim;             /* CLAIM(gen, chunks, next chunk) */
+static _Atomic uint64_t owner[MAX_CHUNKS]; /* STATE(gen, state) of each chunk */
+static float stage[2][STAGE], out[STAGE];  /* copies of x; the helper's outputs */
+static _Atomic int on, asleep;
+static _Atomic long helped, taken;       /* chunks the helper multiplied, and lost */
+static atomic_flag busy = ATOMIC_FLAG_INIT; /* a product is using the helper */
+static pthread_t helper;
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+
+static int chunk_end(int c, int count) { return c * CHUNK + CHUNK < count ? c * CHUNK + CHUNK : count; }
+
+static void *help(void *arg) {
+    (void)arg;
+    for (int idle = 0; atomic_load(&on);) {
+        uint64_t w = atomic_load(&claim);
+        if (!LEFT(w)) {                                 /* nothing to take: spin, then sleep */
+            if (++idle < IDLE) { _mm_pause(); continue; }
+            pthread_mutex_lock(&lock);
+            atomic_store(&asleep, 1);
+            while (atomic_load(&on) && !LEFT(atomic_load(&claim)))
+                pthread_cond_wait(&wake, &lock);
+            atomic_store(&asleep, 0);
+            pthread_mutex_unlock(&lock);
+            idle = 0;
+            continue;
+        }
+        /* op is product w's as long as claim still reads w: the caller writes the next op only
+           after taking the last chunk, and then the swap below fails */
+        uint64_t g = op.gen;
+        const float *panels = op.panels; float *y = op.y;
+        int M = op.M, N = op.N, K = op.K, count = op.count, c = (int)(w & 0xffff);
+        if ((uint32_t)(w >> 32) != (uint32_t)g || !atomic_compare_exchange_strong(&claim, &w, w + 1))
+            continue;
+        idle = 0;
+        uint64_t o = atomic_load(&owner[c]);            /* mark it ours, unless taken back */
+        if (o >> 2 >= g || !atomic_compare_exchange_strong(&owner[c], &o, STATE(g, WORKING)))
+            continue;
+        int first = c * CHUNK, last = chunk_end(c, count);
+        panels_into(stage[g & 1], panels, out, CHUNK * NR, M, K, first, last);
+        uint64_t mine = STATE(g, WORKING);
+        if (atomic_compare_exchange_strong(&owner[c], &mine, STATE(g, COMMITTING))) {
+            for (int m = 0; m < M; m++)
+                memcpy(y + (int64_t)m * N + first * NR, out + (int64_t)m * CHUNK * NR,
+                       (size_t)(last - first) * NR * sizeof(float));
+            atomic_store(&owner[c], STATE(g, DONE));
+            atomic_fetch_add(&helped, 1);
+        }
+    }
+    return 0;
+}
+
+/* y = x @ W.T with the helper (see above); 0 where it cannot take part: off, in use by another
+   thread's product, or a product too large for its buffers */
+static int shared_linear(const float *x, const float *panels, float *y, int M, int N, int K) {
+    int count = N / NR, chunks = (count + CHUNK - 1) / CHUNK;
+    if (!atomic_load(&on) || (int64_t)M * K > STAGE || (int64_t)M * CHUNK * NR > STAGE ||
+        chunks > MAX_CHUNKS || atomic_flag_test_and_set(&busy))
+        return 0;
+    uint64_t g = op.gen + 1;
+    memcpy(stage[g & 1], x, (size_t)M * K * sizeof(float));
+    op.panels = panels; op.y = y; op.M = M; op.N = N; op.K = K; op.count = count; op.gen = g;
+    atomic_store(&claim, CLAIM(g, chunks, 0));          /* go */
+    if (atomic_load(&asleep)) {
+        pthread_mutex_lock(&lock);
+        pthread_cond_signal(&wake);
+        pthread_mutex_unlock(&lock);
+    }
+    char mine[MAX_CHUNKS] = {0};
+    for (int c; (c = (int)(atomic_fetch_add(&claim, 1) & 0xffff)) < chunks;) {
+        mine[c] = 1;
+        panels_into(x, panels, y + c * CHUNK * NR, N, M, K, c * CHUNK, chunk_end(c, count));
+    }
+    for (int c = 0; c < chunks; c++) {                  /* the helper's: done, or take back */
+        uint64_t o = atomic_load(&owner[c]);
+        for (int waited = 0; !mine[c] && o != STATE(g, DONE); o = atomic_load(&owner[c])) {
+            if (o == STATE(g, COMMITTING) || (o == STATE(g, WORKING) && waited++ < PATIENCE)) {
+                _mm_pause();
+            } else if (atomic_compare_exchange_strong(&owner[c], &o, STATE(g, TAKEN))) {
+                panels_into(x, panels, y + c * CHUNK * NR, N, M, K, c * CHUNK,
+                            chunk_end(c, count));
+                atomic_fetch_add(&taken, 1);
+                break;
             }
         }
     }
+    atomic_flag_clear(&busy);
+    return 1;
 }
+
+static void forked(void) {      /* a child of fork has no helper thread */
+    atomic_store(&on, 0);
+    atomic_store(&asleep, 0);
+    pthread_mutex_init(&lock, 0);
+    pthread_cond_init(&wake, 0);
+}
+
+static void register_fork(void) { pthread_atfork(0, 0, forked); }
+
+/* Start the helper (start: 1), or stop it and wait for it to end (0). Started, it is placed on
+   this process's cores other than the one the calling thread runs on now (where there are
+   any), and placed again at each call with start = 1. Returns 0, or an errno. */
+int panel_helper(int start) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    if (!start) {
+        if (!atomic_load(&on))
+            return 0;
+        pthread_mutex_lock(&lock);
+        atomic_store(&on, 0);
+        pthread_cond_signal(&wake);
+        pthread_mutex_unlock(&lock);
+        return pthread_join(helper, 0);
+    }
+    if (!atomic_load(&on)) {
+        pthread_once(&once, register_fork);
+        atomic_store(&claim, CLAIM(op.gen, 0, 0));     /* nothing to take */
+        atomic_store(&on, 1);
+        int error = pthread_create(&helper, 0, help, 0);
+        if (error) {
+            atomic_store(&on, 0);
+            return error;
+        }
+    }
+    cpu_set_t cores;
+    int here = sched_getcpu();
+    if (here < 0 || sched_getaffinity(0, sizeof cores, &cores) || !CPU_ISSET(here, &cores))
+        return 0;
+    CPU_CLR(here, &cores);
+    return CPU_COUNT(&cores) ? pthread_setaffinity_np(helper, sizeof cores, &cores) : 0;
+}
+
+/* Whether the helper is on, how many chunks it has multiplied and how many were taken back
+   from it, so far. */
+void panel_helper_state(long *state) { state[0] = on; state[1] = helped; state[2] = taken; }
