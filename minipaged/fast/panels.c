@@ -139,7 +139,9 @@ static pthread_t helper;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 
-static int chunk_end(int c, int count) { return c * CHUNK + CHUNK < count ? c * CHUNK + CHUNK : count; }
+static int chunk_end(int c, int count) {        /* the panel after chunk c's last */
+    return c * CHUNK + CHUNK < count ? c * CHUNK + CHUNK : count;
+}
 
 static void *help(void *arg) {
     (void)arg;
@@ -161,7 +163,8 @@ static void *help(void *arg) {
         uint64_t g = op.gen;
         const float *panels = op.panels; float *y = op.y;
         int M = op.M, N = op.N, K = op.K, count = op.count, c = (int)(w & 0xffff);
-        if ((uint32_t)(w >> 32) != (uint32_t)g || !atomic_compare_exchange_strong(&claim, &w, w + 1))
+        if ((uint32_t)(w >> 32) != (uint32_t)g ||
+                !atomic_compare_exchange_strong(&claim, &w, w + 1))
             continue;
         idle = 0;
         uint64_t o = atomic_load(&owner[c]);            /* mark it ours, unless taken back */
