@@ -131,8 +131,8 @@ def test_with_the_helper_each_panel_product_is_the_same_bit_for_bit():
     with. With a Python busy loop on the helper's core, so that it is stopped mid-chunk now and
     then, thousands of one-thread products equal the products without the helper bit for bit
     (rows 1 to 40; 5 panels, a chunk and a part-full one; 192 panels); the helper multiplied
-    chunks and chunks were taken back from it. Quiet, it sleeps between products 20 ms apart,
-    and each product wakes it again. Stopped, it is off."""
+    chunks and chunks were taken back from it. Quiet, it falls asleep between products 20 ms
+    apart, and the products wake it: it takes part again. Stopped, it is off."""
     operators.build()                   # the copy of panels.c that serves the products
     gen = torch.Generator().manual_seed(7)
     weights = [torch.randn(n, 576, generator=gen) for n in (160, 6144)]
