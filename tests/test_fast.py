@@ -174,6 +174,38 @@ def test_with_the_helper_each_panel_product_is_the_same_bit_for_bit():
 
 @pytest.mark.skipif(isinstance(matvec.panel_kernel(), str), reason="the panel kernel needs "
                     "AVX-512 and a C compiler (test_the_panel_kernel_builds_where_...)")
+def test_a_child_of_fork_has_no_helper_and_may_start_its_own():
+    """fork copies the helper's state but not its thread: in the child it is off (products on
+    one thread as without it, stopping it returns at once instead of waiting for a thread that
+    is not there), and the child may start a helper of its own; the parent's runs on."""
+    operators.build()
+    mv = MatVec(torch.randn(6144, 576, generator=torch.Generator().manual_seed(3)))
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(4))
+    product = torch.ops.minipaged.panel_linear
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = product(x, mv.panels, mv._weight_t())
+        assert matvec.panel_helper(True) == 0
+        pid = os.fork()
+        if pid == 0:                                  # the child: its verdict as exit status
+            ok = not matvec.panel_helper_state()[0] and \
+                torch.equal(product(x, mv.panels, mv._weight_t()), want) and \
+                matvec.panel_helper(False) == 0 and matvec.panel_helper(True) == 0 and \
+                matvec.panel_helper_state()[0] and \
+                torch.equal(product(x, mv.panels, mv._weight_t()), want) and \
+                matvec.panel_helper(False) == 0
+            os._exit(0 if ok else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert matvec.panel_helper_state()[0]
+        assert torch.equal(product(x, mv.panels, mv._weight_t()), want)
+    finally:
+        matvec.panel_helper(False)
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(isinstance(matvec.panel_kernel(), str), reason="the panel kernel needs "
+                    "AVX-512 and a C compiler (test_the_panel_kernel_builds_where_...)")
 def test_the_operators_cpu_kernels_are_registered_in_cpp():
     """Where a C++ compiler builds operators.cpp (this project's machines), its kernels are the
     two operators' CPU kernels (the tests beside them check they give the Python functions'
