@@ -86,14 +86,18 @@ def add_helper(library: str, start_stop, state) -> None:
     helpers[library] = start_stop, state
 
 
+def serving() -> str:
+    """Which built copy of panels.c serves the products: operators.py's where it is built."""
+    return "operators" if operator_in_cpp else "ctypes"
+
+
 def panel_helper(start: bool) -> int:
     """Start panels.c's helper thread (start=True; called again, it is placed anew), or stop it
     and wait for it to end (False): while it runs, products on one thread share their panels
     with it (the end of panels.c says how). Started in the copy of panels.c that serves the
     products (operators.py's where it is built), stopped in every copy. Returns 0, else an
     errno; 0 where no kernel is built."""
-    serving = "operators" if operator_in_cpp else "ctypes"
-    errors = [start_stop(int(start and library == serving))
+    errors = [start_stop(int(start and library == serving()))
               for library, (start_stop, _) in helpers.items()]
     return next(filter(None, errors), 0)
 
@@ -103,7 +107,7 @@ def panel_helper_state() -> tuple[bool, int, int]:
     chunks of panels it has multiplied there so far, and how many were taken back from it;
     (False, 0, 0) where no kernel is built."""
     state = (ctypes.c_long * 3)()
-    library = helpers.get("operators" if operator_in_cpp else "ctypes")
+    library = helpers.get(serving())
     if library is not None:
         library[1](state)
     return bool(state[0]), state[1], state[2]

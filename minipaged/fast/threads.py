@@ -32,8 +32,8 @@ asleep; where it cannot start, the products stay on one thread. Measured on Smol
 products (a step's 121, every weight read once), beside a Python busy loop pinned to core 1:
 25.8 ms with the helper against 36.6 on one thread alone (quiet, on two threads: 18.3). In
 `python -m minipaged.benchmarks.serving_peers --busy` (fp32, compiled, two runs), batch 1 kept
-0.62 and 0.68 of its quiet rate against 0.50 and 0.54 before, and 16 requests 0.70 and 0.67
-against 0.57 and 0.54 (vLLM's CPU build, the same runs: 0.53 and 0.56, 0.58 and 0.56).
+0.62 and 0.64 of its quiet rate against 0.50 and 0.54 before, and 16 requests 0.75 and 0.69
+against 0.57 and 0.54 (vLLM's CPU build, the same runs: 0.54 and 0.55, 0.54 and 0.53).
 
 How. Every `interval` seconds (half a second; a step only reads the clock in between) the
 governor reads how many seconds the machine's cores were busy (/proc/stat, the cores this
