@@ -27,6 +27,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "simd.h"      /* for SIMD_ISA: the loops below are vectorized by the compiler */
+
 #ifdef KV_BF16
 typedef uint16_t kv_t;
 static inline float load(kv_t x) {   /* a bfloat16 is the top half of a float32 */
@@ -130,3 +132,7 @@ void paged_attention_decode(const float *q, const kv_t *k_cache, const kv_t *v_c
         }
     }
 }
+
+/* The vector width the compiler had for the loops above (simd.h): "avx512", "avx2", "neon" or
+   "plain". */
+const char *attention_isa(void) { return SIMD_ISA; }

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -36,14 +37,26 @@ from .paged_attention import BACKENDS, register_backend
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 KV_TYPES = {torch.float32: [], torch.bfloat16: ["-DKV_BF16"]}   # the kernel's KV dtypes
+
+
+def target_flags(machine: str = platform.machine()) -> list[str]:
+    """The flags that say which CPU the C kernels are built for: this one, or the one the
+    environment variable MINIPAGED_MARCH names (`MINIPAGED_MARCH=x86-64-v3` builds AVX2 code on
+    an AVX-512 CPU, to run and measure it there). On x86, -mprefer-vector-width=512: on a CPU
+    with AVX-512, gcc otherwise stops at 256-bit vectors; elsewhere the option does not exist,
+    and Arm's compilers name the CPU with -mcpu=native."""
+    march = os.environ.get("MINIPAGED_MARCH", "native")
+    if machine.lower() in ("x86_64", "amd64", "i386", "i686"):
+        return [f"-march={march}", "-mprefer-vector-width=512"]
+    return ["-mcpu=native"] if march == "native" else [f"-march={march}"]
+
+
 # (compile flags, link flags), tried in turn until one builds. -ffast-math lets the compiler
 # use glibc's vector exp (libmvec); it is given when compiling only, never when linking, where
 # gcc would add code that makes the whole process flush tiny floats to zero. Compilers without
-# OpenMP (Apple's clang) or without libmvec get the later lines. -mprefer-vector-width=512: on
-# a CPU with AVX-512, gcc otherwise stops at 256-bit vectors.
-FLAGS = [(["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math"],
-          ["-fopenmp", "-lmvec"]),
-         (["-O3", "-march=native", "-fopenmp"], ["-fopenmp"]),
+# OpenMP (Apple's clang) or without libmvec get the later lines.
+FLAGS = [(["-O3", *target_flags(), "-fopenmp", "-ffast-math"], ["-fopenmp", "-lmvec"]),
+         (["-O3", *target_flags(), "-fopenmp"], ["-fopenmp"]),
          (["-O3"], [])]
 
 
@@ -57,13 +70,20 @@ def compiler() -> str | None:
 def build(dtype: torch.dtype, head_dim: int, group: int):
     """The compiled `paged_attention_decode` for keys and values of `dtype`, or a sentence
     saying why it could not be built."""
-    kernel = build_function(SOURCE, "paged_attention_decode",
-                            [f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", *KV_TYPES[dtype]])
-    if not isinstance(kernel, str):
-        P, I = ctypes.c_void_p, ctypes.c_int
-        kernel.argtypes = [P, P, P, P, ctypes.c_int64, P, I, I, I, ctypes.c_float, P, I]
-        kernel.restype = None
+    functions = build_function(SOURCE, ("paged_attention_decode", "attention_isa"),
+                               [f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}", *KV_TYPES[dtype]])
+    if isinstance(functions, str):
+        return functions
+    kernel, isa = functions
+    P, I = ctypes.c_void_p, ctypes.c_int
+    kernel.argtypes = [P, P, P, P, ctypes.c_int64, P, I, I, I, ctypes.c_float, P, I]
+    kernel.restype = None
+    isa.restype = ctypes.c_char_p
+    built_for[dtype, head_dim, group] = isa().decode()
     return kernel
+
+
+built_for = {}     # (dtype, head dim, group) of each kernel built: its vector width (simd.h)
 
 
 def build_function(source: Path, name, defines=(), flags=FLAGS):

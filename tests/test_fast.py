@@ -30,13 +30,16 @@ from minipaged.fast.paged import share_bookkeeping
 from minipaged.fast import compiled as compiled_module
 from minipaged.fast import matvec, operators
 from minipaged.fast.matvec import MatVec
+from minipaged.fast import kernels
+from test_kernels_every_isa import native_isa
 from minipaged.kv_cache import ContiguousCache
 from minipaged.paged_cache import PagedCache, generate_paged
 
 PROMPTS = [[5, 9, 2, 77, 31], [100, 3], list(range(40, 70))]
 
 
-TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2,
+             torch.float16: 2e-3}
 
 
 def assert_linear(mv, w, rows, dtype):
@@ -47,11 +50,11 @@ def assert_linear(mv, w, rows, dtype):
     assert (got.double() - want.double()).abs().max() <= TOLERANCE[dtype] * want.double().abs().max()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 70])
 def test_matvec_is_a_linear_layer(dtype, rows):
-    """Split into slabs, packed by oneDNN or neither, the product is F.linear's up to the order
-    of the sums."""
+    """Split into slabs, as panels, packed by oneDNN or none of these, the product is F.linear's
+    up to the order of the sums."""
     torch.manual_seed(rows)
     w = torch.randn(96, 128, dtype=dtype)
     mv = MatVec(w)
@@ -59,30 +62,27 @@ def test_matvec_is_a_linear_layer(dtype, rows):
     assert_linear(mv, w, rows, dtype)
 
 
-def avx512() -> bool | None:
-    """Whether the CPU has AVX-512F (panels.c's instructions), or None where Linux's
-    /proc/cpuinfo cannot say."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "avx512f" in f.read().split()
-    except OSError:
-        return None
-
-
-def test_the_panel_kernel_builds_where_the_cpu_has_avx512():
-    """With AVX-512 and a C compiler (this project's machines) the kernel builds; a CPU without
-    AVX-512 gets a sentence, and several fp32 rows then go to oneDNN as before."""
+def test_the_panel_kernel_builds_for_this_cpus_vector_width():
+    """With a C compiler the kernel builds on any CPU, for its widest vectors (simd.h), and
+    `kernels()` says so; tests/test_kernels_every_isa.py checks each width against plain
+    loops."""
+    if not cpu_attention.compiler():
+        pytest.skip("no C compiler: the products go to oneDNN (the test below)")
     kernel = matvec.panel_kernel()
-    if avx512() and cpu_attention.compiler():
-        assert not isinstance(kernel, str), kernel
-    elif avx512() is False:
-        assert isinstance(kernel, str) and MatVec(torch.randn(96, 128)).panels is None
+    assert not isinstance(kernel, str), kernel
+    if not os.environ.get("MINIPAGED_MARCH"):
+        assert matvec.built_isa == native_isa()
+    report = kernels(torch.float32)
+    assert report["products"] == f"panels.c ({matvec.built_isa}), float32 weights"
+    assert report["attention"].startswith("cpu_attention.c (")
+    assert set(report) == {"cpu", "built for", "products", "one row", "attention"}
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch without oneDNN")
 def test_matvec_keeps_the_copy_several_rows_are_multiplied_by():
     """fp32: panels where the kernel builds and the outputs are a multiple of 32, else oneDNN's
-    packed copy; bf16: oneDNN's where the CPU has bf16 instructions; fp64: neither."""
+    packed copy; bf16: panels where `half_panels` says so, else oneDNN's where the CPU has bf16
+    instructions; fp16: panels; fp64: neither."""
     panels = not isinstance(matvec.panel_kernel(), str)
     mv = MatVec(torch.randn(96, 128))
     assert (mv.panels is not None, mv.packed is not None) == (panels, not panels)
@@ -90,14 +90,18 @@ def test_matvec_keeps_the_copy_several_rows_are_multiplied_by():
     mv = MatVec(torch.randn(40, 128))                     # 40 outputs: no panels of 32
     assert mv.panels is None and mv.packed is not None
     mv = MatVec(torch.randn(96, 128).bfloat16())
-    assert mv.panels is None
-    assert (mv.packed is not None) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert (mv.panels is not None) == (panels and matvec.half_panels(torch.bfloat16))
+    assert mv.panels is None or mv.panels.dtype == torch.bfloat16
+    assert (mv.packed is not None) == (mv.panels is None and
+                                       torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    mv = MatVec(torch.randn(96, 128).half())
+    assert (mv.panels is not None) == panels and mv.packed is None
     mv = MatVec(torch.randn(96, 128, dtype=torch.float64))
     assert mv.panels is None and mv.packed is None
 
 
 @pytest.mark.skipif(isinstance(matvec.panel_kernel(), str), reason="the panel kernel needs "
-                    "AVX-512 and a C compiler (test_the_panel_kernel_builds_where_...)")
+                    "a C compiler (test_the_panel_kernel_builds_for_this_cpus_vector_width)")
 @pytest.mark.parametrize("out_features, in_features", [(32, 7), (96, 64), (160, 1536)])
 def test_the_panel_product_is_a_product_at_every_number_of_rows(out_features, in_features):
     """panels.c against float64, for 1 to 40 rows (passes of up to 12 rows, split evenly, and
@@ -123,7 +127,29 @@ def test_the_panel_product_is_a_product_at_every_number_of_rows(out_features, in
 
 
 @pytest.mark.skipif(isinstance(matvec.panel_kernel(), str), reason="the panel kernel needs "
-                    "AVX-512 and a C compiler (test_the_panel_kernel_builds_where_...)")
+                    "a C compiler (test_the_panel_kernel_builds_for_this_cpus_vector_width)")
+@pytest.mark.parametrize("dtype, rounding", [(torch.bfloat16, 2 ** -8), (torch.float16, 2 ** -11)])
+def test_half_precision_panels_are_a_product_at_every_number_of_rows(dtype, rounding):
+    """bf16 and fp16 panels (widened as they stream in, summed in fp32) against float64 over the
+    same half-precision weights, 1 to 40 rows and past MOST_ROWS, through the Python function
+    and the C++ operator alike; each entry within its dtype's rounding of the exact sum. The
+    panels are made even where MatVec would give bf16 to oneDNN."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(160, 200, generator=gen).to(dtype)
+    panels = w.reshape(5, 32, 200).transpose(1, 2).contiguous()
+    operators.build()
+    for rows in [*range(1, 41), matvec.MOST_ROWS + 1]:
+        x = torch.randn(rows, 200, generator=gen).to(dtype)
+        want = x.double() @ w.double().T
+        scale = x.double().abs() @ w.double().abs().T
+        got = matvec.panel_linear(x, panels, w.t())
+        assert got.shape == (rows, 160) and got.dtype == dtype
+        assert ((got.double() - want).abs() <= rounding * want.abs() + 1e-5 * scale).all(), rows
+        assert torch.equal(torch.ops.minipaged.panel_linear(x, panels, w.t()), got)
+
+
+@pytest.mark.skipif(isinstance(matvec.panel_kernel(), str), reason="the panel kernel needs "
+                    "a C compiler (test_the_panel_kernel_builds_for_this_cpus_vector_width)")
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the helper takes another core")
 def test_with_the_helper_each_panel_product_is_the_same_bit_for_bit():
     """panels.c's helper (on while another process holds a core and a step runs on one
@@ -173,7 +199,7 @@ def test_with_the_helper_each_panel_product_is_the_same_bit_for_bit():
 
 
 @pytest.mark.skipif(isinstance(matvec.panel_kernel(), str), reason="the panel kernel needs "
-                    "AVX-512 and a C compiler (test_the_panel_kernel_builds_where_...)")
+                    "a C compiler (test_the_panel_kernel_builds_for_this_cpus_vector_width)")
 def test_a_child_of_fork_has_no_helper_and_may_start_its_own():
     """fork copies the helper's state but not its thread: in the child it is off (products on
     one thread as without it, stopping it returns at once instead of waiting for a thread that
@@ -205,7 +231,7 @@ def test_a_child_of_fork_has_no_helper_and_may_start_its_own():
 
 
 @pytest.mark.skipif(isinstance(matvec.panel_kernel(), str), reason="the panel kernel needs "
-                    "AVX-512 and a C compiler (test_the_panel_kernel_builds_where_...)")
+                    "a C compiler (test_the_panel_kernel_builds_for_this_cpus_vector_width)")
 def test_the_operators_cpu_kernels_are_registered_in_cpp():
     """Where a C++ compiler builds operators.cpp (this project's machines), its kernels are the
     two operators' CPU kernels (the tests beside them check they give the Python functions'
@@ -219,7 +245,7 @@ def test_the_operators_cpu_kernels_are_registered_in_cpp():
 
 
 @pytest.mark.skipif(isinstance(matvec.panel_kernel(), str), reason="the panel kernel needs "
-                    "AVX-512 and a C compiler (test_the_panel_kernel_builds_where_...)")
+                    "a C compiler (test_the_panel_kernel_builds_for_this_cpus_vector_width)")
 def test_a_cpp_compiler_that_fails_is_a_sentence(monkeypatch, tmp_path):
     """A C++ compiler that exits with an error: the line that says so, in build's sentence (a
     compiled step logs it and its operators run their Python functions)."""

@@ -1,8 +1,9 @@
 """Speed, not a stage: the same Llama, rearranged to decode fast on a CPU.
 
     fused_llama.py  FusedLlama: fused projections, weights in a layout that streams at memory
-                    speed, and for several rows as panels for a C kernel (fp32, panels.c) or
-                    packed for oneDNN (bf16) (matvec.py), rotary on real numbers; a drop-in
+                    speed, and for several rows as panels for a C kernel (panels.c: fp32, and
+                    half precision where the CPU has no bf16 instructions) or packed for
+                    oneDNN (matvec.py), rotary on real numbers; a drop-in
                     for a `Llama`
     compiled.py     compile_decode: its decode step compiled into one graph (torch.compile with
                     freezing), and with batches=True its other steps into a second one,
@@ -15,6 +16,8 @@
                     planned once for all layers, and stage 3b's C kernel for decode on a CPU
                     (and for stage 7's verify pass, a query at a time); FastEngine takes
                     every option of `minipaged.Engine`, speculative decoding included
+    kernels.py      kernels(dtype): which kernels run here, in words (the CPU, the vector width
+                    the C kernels were built for, products and attention)
     threads.py      AdaptiveThreads: FastEngine's steps on one thread fewer while another
                     process holds a core (each barrier would wait for the thread sharing it);
                     compiled steps only among the thread counts they were compiled for; down
@@ -29,7 +32,8 @@ Nothing in the stages imports this package: it runs only when asked for, e.g.
 from .compiled import compile_decode
 from .contiguous import FastContiguousCache
 from .fused_llama import FusedLlama
+from .kernels import kernels
 from .paged import FastEngine, FastPagedCache, FastSharedPagedCache, fast_backend
 
 __all__ = ["FastContiguousCache", "FastEngine", "FastPagedCache", "FastSharedPagedCache",
-           "FusedLlama", "compile_decode", "fast_backend"]
+           "FusedLlama", "compile_decode", "fast_backend", "kernels"]

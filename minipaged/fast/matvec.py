@@ -51,28 +51,38 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..cpu_attention import build_function
+from ..cpu_attention import build_function, target_flags
 
 PANEL = 32                                   # outputs a panel (panels.c's NR)
-# AVX-512 (-march=native on a CPU that has it) and OpenMP, or no kernel: oneDNN's products
-FLAGS = [(["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"], ["-fopenmp"])]
+# the machine's vector width (or MINIPAGED_MARCH's) and OpenMP; without OpenMP, one thread
+FLAGS = [(["-O3", *target_flags(), "-fopenmp"], ["-fopenmp"]), (["-O3", *target_flags()], [])]
 MOST_ROWS = 384          # more rows than this (most of a prompt chunk) go to one plain product
+KERNELS = {torch.float32: "panel_linear", torch.bfloat16: "panel_linear_bf16",
+           torch.float16: "panel_linear_f16"}         # panels.c's product for each weight dtype
+kernels = {}             # the built products, by weight dtype (panel_kernel fills it in)
+built_isa = None         # the vector width panels.c was built for (simd.h), once built
 
 
 @functools.cache
 def panel_kernel():
-    """panels.c's `panel_linear`, or a sentence saying why it could not be built (`FLAGS`)."""
+    """panels.c's float32 `panel_linear`, or a sentence saying why it could not be built
+    (`FLAGS`). Built, `kernels` holds the product for each weight dtype and `built_isa` the
+    vector width it computes with."""
+    global built_isa
     functions = build_function(Path(__file__).with_name("panels.c"),
-                               ("panel_linear", "panel_helper", "panel_helper_state"),
-                               flags=FLAGS)
+                               (*KERNELS.values(), "panel_isa", "panel_helper",
+                                "panel_helper_state"), flags=FLAGS)
     if isinstance(functions, str):
         return functions
-    kernel, *helper = functions
+    *products, isa, start_stop, state = functions
     P, I = ctypes.c_void_p, ctypes.c_int
-    kernel.argtypes = [P, P, P, I, I, I, I]
-    kernel.restype = None
-    add_helper("ctypes", *helper)
-    return kernel
+    for dtype, kernel in zip(KERNELS, products):
+        kernel.argtypes, kernel.restype = [P, P, P, I, I, I, I], None
+        kernels[dtype] = kernel
+    isa.restype = ctypes.c_char_p
+    built_isa = isa().decode()
+    add_helper("ctypes", start_stop, state)
+    return kernels[torch.float32]
 
 
 helpers = {}      # each built copy of panels.c: its panel_helper and panel_helper_state
@@ -113,13 +123,28 @@ def panel_helper_state() -> tuple[bool, int, int]:
     return bool(state[0]), state[1], state[2]
 
 
+def half_panels(dtype: torch.dtype) -> bool:
+    """Whether a half-precision weight goes to panels.c (bf16 and fp16 panels, widened to fp32
+    as they stream in) rather than to oneDNN: always for fp16, which oneDNN's packing does not
+    take; for bf16 unless the CPU multiplies bf16 itself (oneDNN's AVX-512 bf16 or AMX kernels)
+    and panels.c was built for AVX-512 too. Where oneDNN would emulate bf16 (AVX2, Arm), it is
+    slower than reading half the bytes of fp32 (the benchmarks page, products)."""
+    if dtype == torch.float16:
+        return True
+    return dtype == torch.bfloat16 and not (
+        built_isa == "avx512" and torch.backends.mkldnn.is_available() and
+        torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def panel_weight(weight: torch.Tensor):
-    """`weight` (out, in) as panels of 32 outputs, (out / 32, in, 32), for `panel_linear`; or
-    None where the kernel cannot serve it: not fp32 on a CPU, `out` not a multiple of 32, or
-    no kernel built."""
+    """`weight` (out, in) as panels of 32 outputs, (out / 32, in, 32), in its own dtype, for
+    `panel_linear`; or None where the kernel cannot serve it: not on a CPU, `out` not a
+    multiple of 32, no kernel built, a dtype panels.c has no product for, or a half dtype
+    oneDNN serves (`half_panels`)."""
     out_features, in_features = weight.shape
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or out_features % PANEL \
-            or isinstance(panel_kernel(), str):
+    if weight.device.type != "cpu" or out_features % PANEL or weight.dtype not in KERNELS \
+            or isinstance(panel_kernel(), str) or \
+            weight.dtype != torch.float32 and not half_panels(weight.dtype):
         return None
     return weight.detach().reshape(out_features // PANEL, PANEL, in_features).transpose(1, 2) \
         .contiguous()
@@ -131,17 +156,19 @@ _lib.define("panel_linear(Tensor x, Tensor panels, Tensor weight_t) -> Tensor")
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     """x (M, in) @ W.T for W stored as `panels` (`panel_weight`) and as `weight_t`, W.T (in,
-    out): (M, out), on torch's threads. Up to MOST_ROWS rows through the kernel, more (where
-    the kernel's passes over each panel stop paying) through `x @ weight_t`."""
+    out): (M, out) in x's dtype, on torch's threads. Up to MOST_ROWS rows through the kernel
+    (half-precision rows widened to fp32 first: it sums in fp32), more (where the kernel's
+    passes over each panel stop paying) through `x @ weight_t`."""
     if x.shape[0] > MOST_ROWS:
         return x @ weight_t
-    x = x.contiguous()
-    M, K = x.shape
-    y = x.new_empty(M, panels.shape[0] * PANEL)
+    rows = x.contiguous().float()
+    M, K = rows.shape
+    y = rows.new_empty(M, panels.shape[0] * PANEL)
     if M:
-        panel_kernel()(x.data_ptr(), panels.data_ptr(), y.data_ptr(), M, y.shape[1], K,
-                       torch.get_num_threads())
-    return y
+        panel_kernel()
+        kernels[panels.dtype](rows.data_ptr(), panels.data_ptr(), y.data_ptr(), M, y.shape[1], K,
+                              torch.get_num_threads())
+    return y.to(x.dtype)
 
 
 _lib.impl("panel_linear", panel_linear, "CompositeExplicitAutograd")
@@ -183,8 +210,9 @@ class MatVec(nn.Module):
         self._pack(weight)
 
     def _pack(self, weight):
-        """The copy several rows are multiplied by: panels (fp32, `panel_weight`), else oneDNN's
-        (`onednn_weight`), else none. A parameter, so that freezing sees it as a constant."""
+        """The copy several rows are multiplied by: panels (`panel_weight`: fp32, and bf16 or
+        fp16 where `half_panels`), else oneDNN's (`onednn_weight`), else none. A parameter, so
+        that freezing sees it as a constant."""
         panels = panel_weight(weight)
         self.panels = None if panels is None else nn.Parameter(panels, requires_grad=False)
         self.packed = onednn_weight(weight) if panels is None else None
@@ -197,13 +225,13 @@ class MatVec(nn.Module):
         one_row = isinstance(M, int) and M == 1
         if torch.compiler.is_compiling():
             if self.panels is not None and (not one_row or operator_in_cpp):
-                y = self._panel_product(rows)           # fp32: the C kernel
+                y = self._panel_product(rows)           # the C kernel
             else:                   # the compiler packs the weight its own way
                 y = self._one_product(rows)
         elif one_row and s > 1:                 # one row in fp32: the slabs, over the threads
             slabs = rows.view(M, s, n // s).transpose(0, 1)                  # (s, M, in/s)
             y = torch.bmm(slabs, self.weight).sum(0)                         # (M, out)
-        elif self.panels is not None:           # several rows in fp32: the C kernel
+        elif self.panels is not None:           # several rows in fp32, or half: the C kernel
             y = self._panel_product(rows)
         elif self.packed is not None:           # several rows, or bf16: oneDNN's kernel
             y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")

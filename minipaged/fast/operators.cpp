@@ -4,7 +4,8 @@
 // into the interpreter. Where this file cannot be built, the Python functions serve them.
 //
 //   minipaged::panel_linear  matvec.py's `panel_linear`: panels.c's product for up to MOST_ROWS
-//                            rows, torch's above (PANEL and MOST_ROWS come from matvec.py, -D)
+//                            rows (float32, bfloat16 or float16 panels), torch's above
+//                            (PANEL and MOST_ROWS come from matvec.py, -D)
 //   minipaged::attend        paged.py's `DecodeAttention.attend` while a decode step's plan is
 //                            installed (`minipaged_install_plan`, by compiled.py for the step):
 //                            each row's new k and v copied into its slot, then stage 3b's C
@@ -22,18 +23,30 @@
 
 extern "C" void panel_linear(const float *x, const float *panels, float *y, int M, int N, int K,
                              int threads);
+extern "C" void panel_linear_bf16(const float *x, const uint16_t *panels, float *y, int M, int N,
+                                  int K, int threads);
+extern "C" void panel_linear_f16(const float *x, const uint16_t *panels, float *y, int M, int N,
+                                 int K, int threads);
 
+// Half-precision rows are widened first (the kernel sums in float32), and y narrowed back.
 static at::Tensor panel_linear_cpu(const at::Tensor &x, const at::Tensor &panels,
                                    const at::Tensor &weight_t) {
     if (x.size(0) > MOST_ROWS)
         return at::mm(x, weight_t);
-    at::Tensor rows = x.contiguous();
+    at::Tensor rows = x.to(at::kFloat).contiguous();
     const int64_t M = rows.size(0), K = rows.size(1), N = panels.size(0) * PANEL;
     at::Tensor y = at::empty({M, N}, rows.options());
-    if (M)
-        panel_linear(rows.const_data_ptr<float>(), panels.const_data_ptr<float>(),
-                     y.mutable_data_ptr<float>(), M, N, K, at::get_num_threads());
-    return y;
+    const float *in = rows.const_data_ptr<float>();
+    float *out = y.mutable_data_ptr<float>();
+    const auto *half = static_cast<const uint16_t *>(panels.const_data_ptr());
+    const int threads = at::get_num_threads();
+    if (M && panels.scalar_type() == at::kFloat)
+        panel_linear(in, panels.const_data_ptr<float>(), out, M, N, K, threads);
+    else if (M && panels.scalar_type() == at::kBFloat16)
+        panel_linear_bf16(in, half, out, M, N, K, threads);
+    else if (M)
+        panel_linear_f16(in, half, out, M, N, K, threads);
+    return y.to(x.scalar_type());
 }
 
 // A decode step's plan: paged.py's `DecodePlan` (a ctypes structure) lays it out the same way.

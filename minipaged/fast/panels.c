@@ -1,87 +1,143 @@
-/* A float32 matrix product for a few rows: y (M, N) = x (M, K) @ W.T, with W (N, K) stored as
-   panels of 32 outputs, (N / 32, K, 32): panel p, row k holds W[32p .. 32p+31, k], so a panel
-   is one contiguous stream of K * 128 bytes (matvec.py says why, with the measurements).
+/* A matrix product for a few rows: y (M, N) = x (M, K) @ W.T, with W (N, K) stored as panels of
+   32 outputs, (N / 32, K, 32): panel p, row k holds W[32p .. 32p+31, k], so a panel is one
+   contiguous stream of K rows (matvec.py says why, with the measurements). The weights are
+   float32 (`panel_linear`), or bfloat16 or float16 (`panel_linear_bf16`, `panel_linear_f16`):
+   half the bytes to stream, widened to float32 as they are loaded; x, y and the sums are always
+   float32.
 
-   Each thread takes whole panels. For up to 12 rows of x at a time (a "pass"), the kernel keeps
-   a row's 32 outputs in two AVX-512 registers (24 of the 32 for 12 rows), and for every k reads
-   the panel's 32 weights once and multiplies them by the 12 rows' x[m][k]. More rows than 12
-   make several passes over the same panel, which is then in the core's L2 cache.
+   It is written once over ../simd.h's vectors of VL floats: a panel row is NV = 32 / VL of them
+   (2 on AVX-512, 4 on AVX2, 8 on NEON). Each thread takes whole panels. For up to MR_MAX rows of
+   x at a time (a "pass"), the kernel keeps a row's 32 outputs in NV registers, and for every k
+   reads the panel's 32 weights once and multiplies them by the pass's x[m][k]. MR_MAX is as
+   many rows as the CPU's vector registers hold sums for, with room for the operands: 12 on
+   AVX-512 (24 sums, a panel row of weights, an x: 27 of 32 registers), 3 on AVX2 (12 sums and
+   the 3 x's, one vector of weights at a time: all 16; holding a row of weights instead, the
+   half-precision products spilled and took twice as long at 16 rows). More rows make several
+   passes over the same panel, which is then in the core's L2.
 
    Memory: while a thread multiplies one panel it asks for the next one (into L2) at an even
    rate, one or two of its 64-byte lines at every k, spread over all the passes it makes over
    the panel, so weights keep arriving while the core multiplies. Asked for in a burst (all in
-   the first pass), the products of 24 to 64 rows took 20-35% longer; left to the hardware
-   prefetcher, 5-43% longer; counted out by a branch that varied from one k to the next, some
-   row counts ran up to a fifth slower, which ones depending on where the compiler placed the
-   loop. Each pass also asks for its own panel's rows PREFETCH rows ahead (into L1). Built with
-   -march=native on a CPU with AVX-512F.
+   the first pass), the products of 24 to 64 rows took 20-35% longer on AVX-512; left to the
+   hardware prefetcher, 5-43% longer; counted out by a branch that varied from one k to the
+   next, some row counts ran up to a fifth slower, which ones depending on where the compiler
+   placed the loop. Each pass also asks for its own panel's rows PREFETCH rows ahead (into L1).
 
-   On one thread, a helper may take part (`panel_helper`, at the end of this file). */
+   On one thread, a helper may take part in the float32 products (`panel_helper`, at the end of
+   this file). Built without OpenMP (Apple's clang), every product runs on the calling thread. */
+#ifndef _GNU_SOURCE
 #define _GNU_SOURCE
+#endif
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
-#include <immintrin.h>
+#ifdef _OPENMP
 #include <omp.h>
+#else
+static int omp_get_thread_num(void) { return 0; }
+static int omp_get_num_threads(void) { return 1; }
+#endif
+#include "../simd.h"
 
 #define NR 32          /* outputs a panel */
-#define MR_MAX 12      /* rows of x a pass: 2 * 12 accumulators of the 32 vector registers */
-#define PREFETCH 16    /* panel rows (of 128 bytes) ahead */
+#define NV (NR / VL)   /* vectors a panel row */
+#ifndef MR_MAX         /* rows of x a pass (-DMR_MAX=... to try others) */
+#if VREGS >= 32 && NV <= 2
+#define MR_MAX 12      /* AVX-512: 2 * 12 sums of the 32 registers */
+#elif NV <= 4
+#define MR_MAX 3       /* AVX2: 4 * 3 sums of the 16 */
+#else
+#define MR_MAX 2       /* NEON, plain: 8 * 2 sums, 8 weights */
+#endif
+#endif
+#define PREFETCH 16    /* panel rows ahead */
+
+typedef float w_f32;            /* a weight as stored in the panels */
+typedef uint16_t w_bf16, w_f16;
 
 /* One pass, the j-th of P over the panel w: MR rows of x (M, K) into y (row stride N). `next`:
-   the next panel (0 for a thread's last one), whose 2K lines the P passes ask for between them,
+   the next panel (0 for a thread's last one), whose lines the P passes ask for between them,
    this pass `lines` of them from `line` on, with a prefetch at every k (two where lines > K: a
-   single pass), each `step` lines further on (`at`, `step`: lines in 32.32 fixed point; a line
-   may be asked for twice). With no next panel a pass asks for its own panel's lines, already
-   on their way. A prefetch of an address past the weights does not fault. */
-#define PASS(MR)                                                                               \
-static void pass_##MR(const float *x, int K, const float *w, float *y, int N,                  \
-                      const char *next, int j, int P) {                                        \
-    __m512 lo[MR], hi[MR];                                                                     \
-    for (int m = 0; m < MR; m++) { lo[m] = _mm512_setzero_ps(); hi[m] = _mm512_setzero_ps(); }  \
-    int lines = (2 * K + P - 1) / P;                                                           \
+   single pass over a float32 panel), each `step` lines further on (`at`, `step`: lines in 32.32
+   fixed point; a line may be asked for twice). With no next panel a pass asks for its own
+   panel's lines, already on their way. A prefetch of an address past the weights does not
+   fault. KIND: the weights' type, f32, bf16 or f16 (w_KIND, load_KIND). */
+#define PASS(MR, KIND)                                                                         \
+static void pass_##KIND##_##MR(const float *x, int K, const void *panel, float *y, int N,      \
+                               const char *next, int j, int P) {                               \
+    const w_##KIND *w = panel;                                                                 \
+    enum { ROW = NR * sizeof(w_##KIND) };                  /* bytes a panel row */             \
+    vfloat sum[MR][NV];                                                                        \
+    for (int m = 0; m < MR; m++)                                                               \
+        for (int v = 0; v < NV; v++) sum[m][v] = (vfloat){0};                                  \
+    int lines = ((int64_t)K * ROW / 64 + P - 1) / P;                                           \
     const char *line = next ? next + (int64_t)j * lines * 64 : (const char *)w;                \
     int twice = lines > K;                                                                     \
     uint64_t step = ((uint64_t)lines << 32) / (twice ? 2 * K : K), at = 0;                     \
     for (int k = 0; k < K; k++) {                                                              \
-        const char *a = (const char *)(w + (int64_t)(k + PREFETCH) * NR);                      \
-        _mm_prefetch(a, _MM_HINT_T0); _mm_prefetch(a + 64, _MM_HINT_T0);                       \
-        _mm_prefetch(line + ((at >> 32) << 6), _MM_HINT_T1); at += step;                      \
-        if (twice) { _mm_prefetch(line + ((at >> 32) << 6), _MM_HINT_T1); at += step; }        \
-        __m512 w_lo = _mm512_loadu_ps(w + (int64_t)k * NR);                                   \
-        __m512 w_hi = _mm512_loadu_ps(w + (int64_t)k * NR + 16);                               \
-        for (int m = 0; m < MR; m++) {                                                         \
-            __m512 xm = _mm512_set1_ps(x[(int64_t)m * K + k]);                                 \
-            lo[m] = _mm512_fmadd_ps(xm, w_lo, lo[m]);                                          \
-            hi[m] = _mm512_fmadd_ps(xm, w_hi, hi[m]);                                          \
+        const char *ahead = (const char *)(w + (int64_t)(k + PREFETCH) * NR);                  \
+        for (int b = 0; b < ROW; b += 64) __builtin_prefetch(ahead + b, 0, 3);   /* L1 */      \
+        __builtin_prefetch(line + ((at >> 32) << 6), 0, 2); at += step;           /* L2 */      \
+        if (twice) { __builtin_prefetch(line + ((at >> 32) << 6), 0, 2); at += step; }         \
+        const w_##KIND *row = w + (int64_t)k * NR;                                             \
+        if (MR * NV + NV + 1 <= VREGS) {       /* a panel row in registers, one x at a time */ \
+            vfloat wv[NV];                                                                     \
+            for (int v = 0; v < NV; v++) wv[v] = load_##KIND(row + v * VL);                    \
+            for (int m = 0; m < MR; m++) {                                                     \
+                const float xm = x[(int64_t)m * K + k];                                        \
+                for (int v = 0; v < NV; v++) sum[m][v] += xm * wv[v];                          \
+            }                                                                                  \
+        } else {                               /* (AVX2) every x in registers, one vector */   \
+            vfloat xm[MR];                     /* of weights at a time */                      \
+            for (int m = 0; m < MR; m++) xm[m] = (vfloat){0} + x[(int64_t)m * K + k];          \
+            for (int v = 0; v < NV; v++) {                                                     \
+                const vfloat wv = load_##KIND(row + v * VL);                                   \
+                for (int m = 0; m < MR; m++) sum[m][v] += xm[m] * wv;                          \
+            }                                                                                  \
         }                                                                                      \
     }                                                                                          \
-    for (int m = 0; m < MR; m++) {                                                             \
-        _mm512_storeu_ps(y + (int64_t)m * N, lo[m]);                                           \
-        _mm512_storeu_ps(y + (int64_t)m * N + 16, hi[m]);                                      \
-    }                                                                                          \
+    for (int m = 0; m < MR; m++)                                                               \
+        for (int v = 0; v < NV; v++) store_f32(y + (int64_t)m * N + v * VL, sum[m][v]);        \
 }
-PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6)
-PASS(7) PASS(8) PASS(9) PASS(10) PASS(11) PASS(12)
 
-typedef void (*pass_fn)(const float *, int, const float *, float *, int, const char *, int, int);
-static const pass_fn PASSES[MR_MAX + 1] = {0, pass_1, pass_2, pass_3, pass_4, pass_5, pass_6,
-                                           pass_7, pass_8, pass_9, pass_10, pass_11, pass_12};
+typedef void (*pass_fn)(const float *, int, const void *, float *, int, const char *, int, int);
 
-/* panels [first, last) of y's columns into y0 (row stride ystride), x: (M, K) */
-static void panels_into(const float *x, const float *panels, float *y0, int ystride, int M,
-                        int K, int first, int last) {
-    int passes = (M + MR_MAX - 1) / MR_MAX, rows = (M + passes - 1) / passes;  /* even passes */
+/* Every pass (1 to 12 rows) for weights of one KIND; a build calls those up to MR_MAX. */
+#define PASSES(KIND)                                                                           \
+PASS(1, KIND) PASS(2, KIND) PASS(3, KIND) PASS(4, KIND) PASS(5, KIND) PASS(6, KIND)            \
+PASS(7, KIND) PASS(8, KIND) PASS(9, KIND) PASS(10, KIND) PASS(11, KIND) PASS(12, KIND)         \
+static const pass_fn PASSES_##KIND[13] = {                                                     \
+    0, pass_##KIND##_1, pass_##KIND##_2, pass_##KIND##_3, pass_##KIND##_4, pass_##KIND##_5,    \
+    pass_##KIND##_6, pass_##KIND##_7, pass_##KIND##_8, pass_##KIND##_9, pass_##KIND##_10,      \
+    pass_##KIND##_11, pass_##KIND##_12};
+PASSES(f32) PASSES(bf16) PASSES(f16)
+
+/* panels [first, last) of y's columns into y0 (row stride ystride), x: (M, K); `passes` and
+   `bytes` (a weight's) for the panels' type */
+static void panels_into(const pass_fn *passes, int bytes, const float *x, const void *panels,
+                        float *y0, int ystride, int M, int K, int first, int last) {
+    int count = (M + MR_MAX - 1) / MR_MAX, rows = (M + count - 1) / count;   /* even passes */
     for (int p = first; p < last; p++) {
-        const float *w = panels + (int64_t)p * K * NR;
-        const char *next = p + 1 < last ? (const char *)(w + (int64_t)K * NR) : 0;
+        const char *w = (const char *)panels + (int64_t)p * K * NR * bytes;
+        const char *next = p + 1 < last ? w + (int64_t)K * NR * bytes : 0;
         for (int m0 = 0, j = 0; m0 < M; m0 += rows, j++) {
             int mr = M - m0 < rows ? M - m0 : rows;
-            PASSES[mr](x + (int64_t)m0 * K, K, w, y0 + (int64_t)m0 * ystride + (p - first) * NR,
-                       ystride, next, j, passes);
+            passes[mr](x + (int64_t)m0 * K, K, w, y0 + (int64_t)m0 * ystride + (p - first) * NR,
+                       ystride, next, j, count);
         }
+    }
+}
+
+static void split_panels(const pass_fn *passes, int bytes, const float *x, const void *panels,
+                         float *y, int M, int N, int K, int threads) {
+    int count = N / NR;
+    #pragma omp parallel num_threads(threads)
+    {   /* each thread one contiguous run of panels, [first, last) */
+        int t = omp_get_thread_num(), n = omp_get_num_threads();
+        int first = (int)((int64_t)count * t / n), last = (int)((int64_t)count * (t + 1) / n);
+        panels_into(passes, bytes, x, panels, y + first * NR, N, M, K, first, last);
     }
 }
 
@@ -91,14 +147,23 @@ void panel_linear(const float *x, const float *panels, float *y, int M, int N, i
                   int threads) {
     if (threads == 1 && shared_linear(x, panels, y, M, N, K))
         return;
-    int count = N / NR;
-    #pragma omp parallel num_threads(threads)
-    {   /* each thread one contiguous run of panels, [first, last) */
-        int t = omp_get_thread_num(), n = omp_get_num_threads();
-        int first = (int)((int64_t)count * t / n), last = (int)((int64_t)count * (t + 1) / n);
-        panels_into(x, panels, y + first * NR, N, M, K, first, last);
-    }
+    split_panels(PASSES_f32, 4, x, panels, y, M, N, K, threads);
 }
+
+void panel_linear_bf16(const float *x, const uint16_t *panels, float *y, int M, int N, int K,
+                       int threads) {
+    split_panels(PASSES_bf16, 2, x, panels, y, M, N, K, threads);
+}
+
+void panel_linear_f16(const float *x, const uint16_t *panels, float *y, int M, int N, int K,
+                      int threads) {
+    split_panels(PASSES_f16, 2, x, panels, y, M, N, K, threads);
+}
+
+/* Which of ../simd.h's vector widths this build computes with: "avx512", "avx2", "neon" or
+   "plain"; and the rows of x a pass. */
+const char *panel_isa(void) { return SIMD_ISA; }
+int panel_rows_a_pass(void) { return MR_MAX; }
 
 /* The helper: one more thread for when a step runs on one thread because another process holds
    a core (threads.py turns it on and off). It sits on that held core and gets a turn there only
@@ -148,7 +213,7 @@ static void *help(void *arg) {
     for (int idle = 0; atomic_load(&on);) {
         uint64_t w = atomic_load(&claim);
         if (!LEFT(w)) {                                 /* nothing to take: spin, then sleep */
-            if (++idle < IDLE) { _mm_pause(); continue; }
+            if (++idle < IDLE) { cpu_pause(); continue; }
             pthread_mutex_lock(&lock);
             atomic_store(&asleep, 1);
             while (atomic_load(&on) && !LEFT(atomic_load(&claim)))
@@ -171,7 +236,8 @@ static void *help(void *arg) {
         if (o >> 2 >= g || !atomic_compare_exchange_strong(&owner[c], &o, STATE(g, WORKING)))
             continue;
         int first = c * CHUNK, last = chunk_end(c, count);
-        panels_into(stage[g & 1], panels, out, CHUNK * NR, M, K, first, last);
+        panels_into(PASSES_f32, 4, stage[g & 1], panels, out, CHUNK * NR, M, K, first,
+                    last);
         uint64_t mine = STATE(g, WORKING);
         if (atomic_compare_exchange_strong(&owner[c], &mine, STATE(g, COMMITTING))) {
             for (int m = 0; m < M; m++)
@@ -203,16 +269,17 @@ static int shared_linear(const float *x, const float *panels, float *y, int M, i
     char mine[MAX_CHUNKS] = {0};
     for (int c; (c = (int)(atomic_fetch_add(&claim, 1) & 0xffff)) < chunks;) {
         mine[c] = 1;
-        panels_into(x, panels, y + c * CHUNK * NR, N, M, K, c * CHUNK, chunk_end(c, count));
+        panels_into(PASSES_f32, 4, x, panels, y + c * CHUNK * NR, N, M, K, c * CHUNK,
+                    chunk_end(c, count));
     }
     for (int c = 0; c < chunks; c++) {                  /* the helper's: done, or take back */
         uint64_t o = atomic_load(&owner[c]);
         for (int waited = 0; !mine[c] && o != STATE(g, DONE); o = atomic_load(&owner[c])) {
             if (o == STATE(g, COMMITTING) || (o == STATE(g, WORKING) && waited++ < PATIENCE)) {
-                _mm_pause();
+                cpu_pause();
             } else if (atomic_compare_exchange_strong(&owner[c], &o, STATE(g, TAKEN))) {
-                panels_into(x, panels, y + c * CHUNK * NR, N, M, K, c * CHUNK,
-                            chunk_end(c, count));
+                panels_into(PASSES_f32, 4, x, panels, y + c * CHUNK * NR, N, M, K,
+                            c * CHUNK, chunk_end(c, count));
                 atomic_fetch_add(&taken, 1);
                 break;
             }
@@ -255,12 +322,16 @@ int panel_helper(int start) {
             return error;
         }
     }
+#ifdef __linux__                /* elsewhere the scheduler places it */
     cpu_set_t cores;
     int here = sched_getcpu();
     if (here < 0 || sched_getaffinity(0, sizeof cores, &cores) || !CPU_ISSET(here, &cores))
         return 0;
     CPU_CLR(here, &cores);
     return CPU_COUNT(&cores) ? pthread_setaffinity_np(helper, sizeof cores, &cores) : 0;
+#else
+    return 0;
+#endif
 }
 
 /* Whether the helper is on, how many chunks it has multiplied and how many were taken back
