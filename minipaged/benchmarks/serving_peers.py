@@ -40,7 +40,10 @@ Each of --runs rows is printed with the load average before it and the CPU other
 during it, with minipaged's rate over each peer's ("mp / vLLM"...). The greedy tokens are
 compared (requests equal from first to last token, and tokens before the first difference).
 --busy runs every job again with one more CPU-bound process beside the engine: a Python busy
-loop pinned to the last of the --threads cores.
+loop pinned to the last of the --threads cores. --isa avx2 limits minipaged's kernels to AVX2
+(as `benchmarks.products --isa` does) on a CPU with AVX-512, to be measured beside the llama.cpp
+built for AVX2 (install that one); minipaged's line under the table says what its kernels
+were built for and which ran.
 """
 
 from __future__ import annotations
@@ -64,10 +67,11 @@ from rich.table import Table
 from .. import cli
 from ..api import generate
 from ..errors import PeerError
-from ..fast import FastEngine, FusedLlama, compile_decode
+from ..fast import FastEngine, FusedLlama, compile_decode, kernels
 from ..formats import load_model, packaged_model_path
 from ..formats.atomic import write_file
 from . import peer_worker
+from .products import ISAS
 from .serving import sharegpt_like_trace
 from .smollm2 import LLAMA_CPP_TYPES, cache_folder, llama_cpp, llama_cpp_file
 
@@ -89,7 +93,11 @@ def minipaged_engine(dtype: str, threads: int, compiled: bool, fewer_threads: bo
         return generate(fast, list(prompts), list(lengths), cache="paged", stop_tokens=[],
                         engine_class=FastEngine, max_num_batched_tokens=BUDGET,
                         max_seq_len=max(len(p) + n for p, n in requests))
-    return run, "minipaged.fast, FastEngine" + ("" if compiled else ", not compiled")
+    args = fast.args
+    ran = kernels(getattr(torch, dtype), args.head_dim, args.n_heads // args.n_kv_heads)
+    return run, "minipaged.fast, FastEngine" + ("" if compiled else ", not compiled") + \
+        f"; built for {ran['built for']}; products: {ran['products']}; attention: " \
+        f"{ran['attention']}"
 
 
 def work():
@@ -224,7 +232,8 @@ def start_workers(args, dtype: str, jobs, logs: Path, console) -> dict:
         n_ctx = max(sum(len(p) + n for p, n in job) for job in jobs) + 256
         argv["llama.cpp"] = [sys.executable, peer_worker.__file__, "llama.cpp", json.dumps(dict(
             path=str(path), threads=args.threads, n_seq_max=most, n_ctx=n_ctx))]
-    env = {"minipaged": dict(os.environ)}       # the peers: without minipaged's OpenMP setting
+    env = {"minipaged": {**os.environ, **ISAS.get(args.isa, {})}}  # the peers: their own
+                                                # OpenMP setting, and any ISA llama.cpp's build has
     workers = {name: Worker(name, a, logs / f"{name}-{dtype}.log", env.get(name, started_with()))
                for name, a in argv.items()}
     console.print(f"{dtype}: loading {', '.join(workers)} ...")
@@ -398,6 +407,8 @@ def main(argv=None):
     p.add_argument("--busy", action="store_true",
                    help="run every job again beside a Python busy loop on the last core")
     p.add_argument("--no-compile", action="store_true", help="run minipaged.fast eager")
+    p.add_argument("--isa", choices=sorted(ISAS), help="minipaged's kernels limited to this ISA "
+                   "(benchmarks.products says how); install the llama.cpp built for it")
     p.add_argument("--cache-dir", type=cache_folder,
                    default=Path.home() / ".cache" / "minipaged" / "llama_cpp",
                    help="where llama.cpp's and vLLM's copies of the model are kept")

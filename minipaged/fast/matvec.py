@@ -16,9 +16,10 @@ The sum adds the slabs' partial products in another order than one product would
 differ from `F.linear` by rounding only (about 1e-7 relative in fp32).
 
 Several rows at once (a serving step's decodes, a prompt) in fp32 go to `panels.c`, a C
-kernel built on first use (as stage 3b's is) where the CPU has AVX-512: the weight stored again
-as panels of 32 outputs, (out / 32, in, 32), each panel one contiguous stream, multiplied by up
-to 12 rows a pass while the next panel is fetched at an even rate (`panel_weight`). The oneDNN
+kernel built on first use (as stage 3b's is) for the CPU's vector width (AVX-512, AVX2, NEON,
+or plain C: `minipaged/simd.h`): the weight stored again as panels of 32 outputs, (out / 32,
+in, 32), each panel one contiguous stream, multiplied by up to 12 rows a pass (3 on AVX2)
+while the next panel is fetched at an even rate (`panel_weight`). The oneDNN
 kernel it replaced reads the same bytes but waits on memory between its multiplications.
 Measured on SmolLM2 (the products of one step, every layer's weights read once, 2 threads, the
 2-core Intel machine of the serving benchmark): 2, 4, 16 and 64 rows took 19.0, 19.3, 25.8 and
@@ -32,11 +33,15 @@ row multiplies through the kernel too (on SmolLM2, separate processes in turn, m
 24.0 and 24.1 ms against 25.0 and 25.7 with the compiler's own products); through the Python
 function it gained nothing.
 
-In bf16, and in fp32 where the kernel cannot be built, several rows go to oneDNN's kernel, on a
+Half precision goes to panels.c too, as bf16 or fp16 panels widened to fp32 as they stream in
+(half the bytes of fp32), unless the CPU multiplies bf16 itself (AVX-512 with bf16, AMX): there
+oneDNN's bf16 kernel was as fast at a few rows and faster at many (`half_panels`; `python -m
+minipaged.benchmarks.products` measures both). In bf16 on such a CPU, and in fp32 where the
+kernel cannot be built, several rows go to oneDNN's kernel, on a
 copy of the weight that oneDNN has packed ahead of time into the tiles its kernel reads
 (`onednn_weight`; `torch.compile` packs weights the same way under freezing), and to one plain
-product where oneDNN cannot pack (a torch without it, bf16 on a CPU without bf16 instructions,
-fp16, fp64, another device). One row in
+product where neither serves (fp64, another device, a weight whose outputs are not a multiple
+of 32 that oneDNN cannot pack). One row in
 fp32, run eager, stays with the slabs, which stream faster still (a decode step took 31 ms,
 against 40 ms through oneDNN). The extra copy costs the weight's size again.
 """
