@@ -12,8 +12,10 @@ running sum and an accumulator in registers. The grid is (B, Hk, query slices x 
   * a tile of 64 key positions per step, whatever the block size; each position looks its
     block up in the table, so any block size works: a tile spans 64 blocks of 1, four blocks
     of 16, or a quarter of one block of 256;
-  * `num_splits > 1` cuts each row into that many partitions, one program each, merged after
-    by `combine_partitions` (v2, flash-decoding): more programs for a small batch of long rows.
+  * `num_splits > 1` cuts each row into that many partitions, one program each (v2,
+    flash-decoding): more programs for a small batch of long rows. `combine_kernel` merges
+    them after, `combine_partitions`' arithmetic with a program per output row, so the merge
+    is one more launch rather than a handful of PyTorch ops each reading all the partitions.
 
 Importing this module registers "triton" with stage 3's `flash_attn_with_kvcache`, so a
 PagedCache, `generate_paged` and the Engine accept `backend="triton"`. Triton compiles for
@@ -24,11 +26,11 @@ asked for: `backend="auto"` never picks it.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
-from .online_softmax import combine_partitions
 from .paged_attention import register_backend
 
 try:  # optional: `pip install triton` (also the `test` extra)
@@ -62,6 +64,17 @@ def launch(B: int, Sq: int, Hq: int, Hk: int, num_splits: int = 0) -> Launch:
     tile = 64
     splits = max(1, num_splits)
     return Launch(rows, q_per_program, tile, splits, (B, Hk, -(-Sq // q_per_program) * splits))
+
+
+MIN_SPLIT_KEYS = 64      # a partition holds at least one tile of keys
+
+
+def choose_splits(programs: int, longest: int, sms: int, min_keys: int = MIN_SPLIT_KEYS) -> int:
+    """`num_splits=0` on a GPU (flash-attn's meaning of 0: the kernel decides). A grid of
+    `programs` without splits leaves most of `sms` multiprocessors idle when the batch is small,
+    so rows are cut until there are two programs per multiprocessor, no partition shorter than
+    `min_keys` keys (`longest`: the keys of the longest row), and at most 32 partitions."""
+    return max(1, min(32, -(-2 * sms // max(programs, 1)), longest // min_keys))
 
 
 if triton is not None:
@@ -140,6 +153,30 @@ if triton is not None:
             tl.store(out_ptr + at[:, None] * HEAD_DIM + d[None, :], acc,
                      mask=row_ok[:, None] & d_ok[None, :])
 
+    @triton.jit
+    def combine_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, n_rows,
+                       HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                       NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+        """`combine_partitions` for one output row (b, i, head) of the n_rows = B * Sq * Hq:
+        m, l (NUM_SPLITS, n_rows), acc (NUM_SPLITS, n_rows, HEAD_DIM) in fp32, as the
+        partitions stored them; out (n_rows, HEAD_DIM) in the output's dtype."""
+        row = tl.program_id(0).to(tl.int64)
+        p = tl.arange(0, SPLITS_PAD)
+        p_ok = p < NUM_SPLITS
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        m = tl.load(m_ptr + p * n_rows + row, mask=p_ok, other=float("-inf"))    # (P,)
+        l = tl.load(l_ptr + p * n_rows + row, mask=p_ok, other=0.0)              # (P,)
+        acc = tl.load(acc_ptr + (p[:, None] * n_rows + row) * HEAD_DIM + d[None, :],
+                      mask=p_ok[:, None] & d_ok[None, :], other=0.0)             # (P, D_PAD)
+
+        M = tl.max(m, axis=0)                                       # the overall max
+        shift = tl.where(M == float("-inf"), 0.0, M)
+        weight = tl.exp(m - shift)                                  # (P,) each one's worth
+        total = tl.sum(weight * l, axis=0)
+        o = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + row * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+
 
 def _interpreted() -> bool:
     """True when the kernel runs in Triton's interpreter (TRITON_INTERPRET=1 at import)."""
@@ -176,38 +213,63 @@ def triton_paged_attention(q, k_cache, v_cache, block_table, seqlens_k, causal=T
 
     Arguments as `paged_attention_v1`'s (block_table: every entry a real block). `num_splits`
     > 1 walks each row in that many partitions and merges them (flash-attn's knob of that
-    name; 0 and 1 mean one program per row).
+    name); 1 means one program per row, and 0 lets `choose_splits` decide on a GPU (in the
+    interpreter, which runs programs one at a time, 0 means 1).
     """
     B, Sq, Hq, D = q.shape
-    Hk, block_size = k_cache.shape[2], k_cache.shape[1]
+    Hk = k_cache.shape[2]
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the Triton kernel reads each key and value as head_dim contiguous "
                          "elements: pass k_cache and v_cache with stride 1 in their last dimension")
-    q = q.contiguous()
-    block_table = block_table.contiguous()
     seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32)
+    longest = int(seqlens_k.max()) if B else 0         # the host waits for the GPU here, once
+    if num_splits == 0 and q.is_cuda:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        num_splits = choose_splits(math.prod(launch(B, Sq, Hq, Hk).grid), longest, sms)
     how = launch(B, Sq, Hq, Hk, num_splits)
-    longest = int(seqlens_k.max()) if B else 0
+    scale = softmax_scale if softmax_scale is not None else D ** -0.5
+    return run_kernels(how, q.contiguous(), k_cache, v_cache, block_table.contiguous(), seqlens_k,
+                       longest, causal, scale)
+
+
+def run_kernels(how: Launch, q, k_cache, v_cache, block_table, seqlens_k, longest: int,
+                causal: bool, scale: float):
+    """The launches of one call and nothing that waits for the GPU, so a CUDA graph can capture
+    them (the GPU benchmark does): `longest`, the keys of the longest row, comes from the host.
+    v1 writes the answer straight into `out`; v2's partitions write their m, l and acc in fp32,
+    and `combine_kernel` merges them into `out`."""
+    B, Sq, Hq, D = q.shape
     split_len = how.tile * -(-max(longest, 1) // (how.tile * how.splits))   # whole tiles
-    if how.splits == 1:
-        out = torch.empty_like(q)
-        m = l = out                                    # not used by v1
-    else:
-        out = torch.empty(how.splits, B, Sq, Hq, D, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    parts = m = l = out                                # v1: m and l are not used
+    if how.splits > 1:
+        parts = torch.empty(how.splits, B, Sq, Hq, D, dtype=torch.float32, device=q.device)
         m, l = (torch.empty(how.splits, B, Sq, Hq, dtype=torch.float32, device=q.device)
                 for _ in range(2))
     if B and Sq:
         paged_attention_kernel[how.grid](
-            out, q, k_cache, v_cache, block_table, seqlens_k, m, l,
-            softmax_scale if softmax_scale is not None else D ** -0.5, Sq, split_len,
+            parts, q, k_cache, v_cache, block_table, seqlens_k, m, l, scale, Sq, split_len,
             *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
             block_table.stride(0), Hq,
-            GROUP=Hq // Hk, BLOCK_SIZE=block_size, CAUSAL=causal, ROWS=how.rows,
-            Q_PER_PROGRAM=how.q_per_program, HEAD_DIM=D, D_PAD=max(16, _next_pow2(D)),
-            TILE=how.tile, NUM_SPLITS=how.splits, DOT_TYPE=_dot_type(q.dtype))
-    if how.splits == 1:
-        return out
-    return combine_partitions(m, l, out).to(q.dtype)
+            GROUP=Hq // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], CAUSAL=causal,
+            ROWS=how.rows, Q_PER_PROGRAM=how.q_per_program, HEAD_DIM=D,
+            D_PAD=max(16, _next_pow2(D)), TILE=how.tile, NUM_SPLITS=how.splits,
+            DOT_TYPE=_dot_type(q.dtype))
+        if how.splits > 1:
+            return combine(m, l, parts, out)
+    return out
+
+
+def combine(m, l, acc, out):
+    """v2's merge on the device: `combine_partitions(m, l, acc)` written into `out` (..., D) in
+    out's dtype by `combine_kernel`. m, l (P, ...) and acc (P, ..., D): fp32, contiguous."""
+    D = acc.shape[-1]
+    n_rows = out.numel() // D if D else 0
+    if n_rows:
+        combine_kernel[(n_rows,)](out, m, l, acc, n_rows, HEAD_DIM=D,
+                                  D_PAD=max(16, _next_pow2(D)), NUM_SPLITS=acc.shape[0],
+                                  SPLITS_PAD=max(2, _next_pow2(acc.shape[0])))
+    return out
 
 
 register_backend("triton", triton_paged_attention, why_not_triton)

@@ -19,7 +19,10 @@ from test_paged_attention import attend, random_paged_case
 
 from minipaged import cpu_attention
 from minipaged import triton_attention as ta
+from minipaged.online_softmax import combine_partitions
 from minipaged.paged_attention import flash_attn_with_kvcache
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def clone(case):
@@ -91,6 +94,59 @@ def test_a_query_that_sees_no_key_gets_zeros():
     out = attend(clone(case), "triton")[0]
     assert torch.equal(out[:, :3], torch.zeros_like(out[:, :3]))
     torch.testing.assert_close(out, attend(case, "torch")[0], atol=1e-5, rtol=1e-5)
+
+
+def partitions(seed, P, B=2, Sq=3, Hq=4, D=24):
+    """What v2's partitions store: m, l (P, B, Sq, Hq) and acc (P, B, Sq, Hq, D) in fp32, with
+    maxima far apart (exp(m - M) underflows for some), partitions that saw no key (m = -inf,
+    l = 0, acc = 0), and one output row that no partition saw a key for."""
+    gen = torch.Generator().manual_seed(seed)
+    m = torch.randn(P, B, Sq, Hq, generator=gen) * 40
+    l = torch.rand(P, B, Sq, Hq, generator=gen) * 30 + 1
+    acc = torch.randn(P, B, Sq, Hq, D, generator=gen) * l[..., None]
+    empty = torch.rand(P, B, Sq, Hq, generator=gen) < 0.3
+    empty[:, 1, 2, 3] = True
+    m[empty], l[empty], acc[empty] = float("-inf"), 0.0, 0.0
+    return m, l, acc
+
+
+@pytest.mark.parametrize("P", [2, 3, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_merge_kernel_is_combine_partitions(P, dtype):
+    """`combine_kernel` against the readable merge, `combine_partitions`: fp32 to fp32 rounding;
+    fp16 and bf16 within one unit of their last place (the interpreter rounds bf16 its own way);
+    a row no partition saw a key for gets zeros. 3 and 5 partitions pad the kernel's tile, as
+    a head_dim of 24 does."""
+    m, l, acc = (t.to(DEVICE) for t in partitions(seed=P, P=P))
+    out = ta.combine(m, l, acc, torch.empty(acc.shape[1:], dtype=dtype, device=DEVICE))
+    expected = combine_partitions(m, l, acc)
+    assert out.dtype == dtype
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    assert torch.equal(out[1, 2, 3], torch.zeros_like(out[1, 2, 3]))
+
+
+def test_v2_merges_with_the_kernel_even_where_partitions_are_empty(monkeypatch):
+    """7 partitions of rows 70 and 23 keys long: a partition is whole tiles of 64 keys, so most
+    hold no key. The backend merges with `combine` once per call, and equals the gather path."""
+    calls, merge = [], ta.combine
+    monkeypatch.setattr(ta, "combine", lambda *args: calls.append(1) or merge(*args))
+    case = llama_like_case(9, 1, 70)
+    expected = attend(clone(case), "torch")[0]
+    torch.testing.assert_close(attend(case, "triton", num_splits=7)[0], expected,
+                               atol=1e-5, rtol=1e-5)
+    assert len(calls) == 1
+
+
+def test_choose_splits_fills_the_gpu_with_partitions_of_a_tile_or_more():
+    """num_splits=0 on a GPU: two programs per multiprocessor, none shorter than 64 keys, at
+    most 32. One Llama-3-8B row (8 KV heads) on 132 multiprocessors:"""
+    assert ta.choose_splits(8, 8192, 132) == 32            # capped
+    assert ta.choose_splits(8, 1024, 132) == 16            # partitions of one tile
+    assert ta.choose_splits(8, 100, 132) == 1              # too short to split
+    assert ta.choose_splits(8 * 64, 8192, 132) == 1        # 64 rows fill the GPU already
+    assert ta.choose_splits(8 * 8, 8192, 132) == 5
+    assert ta.choose_splits(0, 0, 132) == 1                # an empty batch
 
 
 def test_missing_triton_is_a_sentence(monkeypatch):
