@@ -166,7 +166,11 @@ def engines():
     def contiguous(**kw):
         return generate(model, prompts, n, cache="contiguous", stop_tokens=[], **kw)
     want = contiguous()
-    want_sampled = contiguous(temperature=0.8, n=2, seed=3)
+    try:
+        want_sampled = contiguous(temperature=0.8, n=2, seed=3)
+    except RuntimeError as e:                   # a report, not a test: say so and go on
+        want_sampled = None
+        print(f"- the contiguous cache's sampled reference: ERROR {e}", flush=True)
     want_beams = beam_search(model, prompts[2], 3, n // 2, cache="contiguous", stop_tokens=[])
 
     runs = [(b, bs) for b in args.backends.split(",") for bs in (16, 256)
@@ -219,6 +223,8 @@ def engines():
              [t for t, _ in want_beams]),
         ]
         for name, run, expected in checks:
+            if expected is None:
+                continue
             try:
                 Watched.last = None
                 got = run()
