@@ -131,9 +131,10 @@ def test_the_panel_product_is_a_product_at_every_number_of_rows(out_features, in
 @pytest.mark.parametrize("dtype, rounding", [(torch.bfloat16, 2 ** -8), (torch.float16, 2 ** -11)])
 def test_half_precision_panels_are_a_product_at_every_number_of_rows(dtype, rounding):
     """bf16 and fp16 panels (widened as they stream in, summed in fp32) against float64 over the
-    same half-precision weights, 1 to 40 rows and past MOST_ROWS, through the Python function
-    and the C++ operator alike; each entry within its dtype's rounding of the exact sum. The
-    panels are made even where MatVec would give bf16 to oneDNN."""
+    same half-precision weights, 1 to 40 rows and past MOST_ROWS (which bounds fp32 rows only),
+    through the Python function and the C++ operator alike; each entry within its dtype's
+    rounding of the exact sum. The panels are made even where MatVec would give bf16 to
+    oneDNN."""
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(160, 200, generator=gen).to(dtype)
     panels = w.reshape(5, 32, 200).transpose(1, 2).contiguous()
@@ -157,7 +158,9 @@ def test_with_the_helper_each_panel_product_is_the_same_bit_for_bit():
     with. With a Python busy loop on the helper's core, so that it is stopped mid-chunk now and
     then, thousands of one-thread products equal the products without the helper bit for bit
     (rows 1 to 40; 5 panels, a chunk and a part-full one; 192 panels); the helper multiplied
-    chunks and chunks were taken back from it. Quiet, it falls asleep between products 20 ms
+    chunks and chunks were taken back from it (in a second phase the helper stalls before
+    committing each chunk, as if stopped there: on some machines 3 s beside the busy loop
+    caused no take-back). Quiet, it falls asleep between products 20 ms
     apart, and the products wake it: it takes part again. Stopped, it is off."""
     operators.build()                   # the copy of panels.c that serves the products
     gen = torch.Generator().manual_seed(7)
@@ -176,14 +179,17 @@ def test_with_the_helper_each_panel_product_is_the_same_bit_for_bit():
         os.sched_setaffinity(busy.pid, {there})
         _, helped, taken = matvec.panel_helper_state()
         assert matvec.panel_helper(True) == 0 and matvec.panel_helper_state()[0]
-        end = time.monotonic() + 3
-        while time.monotonic() < end:
-            for (mv, x), y in zip(cases, want):
-                assert torch.equal(product(x, mv.panels, mv._weight_t()), y)
+        for stall in (0, 100_000):    # as it runs; then stalled after each chunk, as the
+            matvec.panel_helper_stall(stall)   # scheduler may or may not stop it in 2 s
+            end = time.monotonic() + 2
+            while time.monotonic() < end:
+                for (mv, x), y in zip(cases, want):
+                    assert torch.equal(product(x, mv.panels, mv._weight_t()), y)
         on, helped_busy, taken_busy = matvec.panel_helper_state()
         assert on and helped_busy > helped and taken_busy > taken
         busy.kill()
         busy.wait()
+        matvec.panel_helper_stall(0)
         (mv, x), y = cases[6], want[6]            # 192 panels, one row
         for _ in range(40):                       # quiet, and products far apart
             time.sleep(0.02)
@@ -193,6 +199,7 @@ def test_with_the_helper_each_panel_product_is_the_same_bit_for_bit():
         if busy is not None:
             busy.kill()
         matvec.panel_helper(False)
+        matvec.panel_helper_stall(0)
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
     assert not matvec.panel_helper_state()[0]

@@ -61,7 +61,7 @@ from ..cpu_attention import build_function, target_flags
 PANEL = 32                                   # outputs a panel (panels.c's NR)
 # the machine's vector width (or MINIPAGED_MARCH's) and OpenMP; without OpenMP, one thread
 FLAGS = [(["-O3", *target_flags(), "-fopenmp"], ["-fopenmp"]), (["-O3", *target_flags()], [])]
-MOST_ROWS = 384          # more rows than this (most of a prompt chunk) go to one plain product
+MOST_ROWS = 384          # more fp32 rows than this (most of a prompt chunk): one plain product
 KERNELS = {torch.float32: "panel_linear", torch.bfloat16: "panel_linear_bf16",
            torch.float16: "panel_linear_f16"}         # panels.c's product for each weight dtype
 kernels = {}             # the built products, by weight dtype (panel_kernel fills it in)
@@ -76,29 +76,30 @@ def panel_kernel():
     global built_isa
     functions = build_function(Path(__file__).with_name("panels.c"),
                                (*KERNELS.values(), "panel_isa", "panel_helper",
-                                "panel_helper_state"), flags=FLAGS)
+                                "panel_helper_state", "panel_helper_stall"), flags=FLAGS)
     if isinstance(functions, str):
         return functions
-    *products, isa, start_stop, state = functions
+    *products, isa, start_stop, state, stall = functions
     P, I = ctypes.c_void_p, ctypes.c_int
     for dtype, kernel in zip(KERNELS, products):
         kernel.argtypes, kernel.restype = [P, P, P, I, I, I, I], None
         kernels[dtype] = kernel
     isa.restype = ctypes.c_char_p
     built_isa = isa().decode()
-    add_helper("ctypes", start_stop, state)
+    add_helper("ctypes", start_stop, state, stall)
     return kernels[torch.float32]
 
 
-helpers = {}      # each built copy of panels.c: its panel_helper and panel_helper_state
+helpers = {}      # each built copy of panels.c: its panel_helper, _state and _stall
 
 
-def add_helper(library: str, start_stop, state) -> None:
+def add_helper(library: str, start_stop, state, stall) -> None:
     """Keep the helper functions of a built copy of panels.c (`panel_kernel`'s, "ctypes", or
     operators.py's, "operators") for `panel_helper`."""
     start_stop.argtypes, start_stop.restype = [ctypes.c_int], ctypes.c_int
     state.argtypes, state.restype = [ctypes.POINTER(ctypes.c_long)], None
-    helpers[library] = start_stop, state
+    stall.argtypes, stall.restype = [ctypes.c_int], ctypes.c_int
+    helpers[library] = start_stop, state, stall
 
 
 def serving() -> str:
@@ -113,7 +114,7 @@ def panel_helper(start: bool) -> int:
     products (operators.py's where it is built), stopped in every copy. Returns 0, else an
     errno; 0 where no kernel is built."""
     errors = [start_stop(int(start and library == serving()))
-              for library, (start_stop, _) in helpers.items()]
+              for library, (start_stop, *_) in helpers.items()]
     return next(filter(None, errors), 0)
 
 
@@ -126,6 +127,14 @@ def panel_helper_state() -> tuple[bool, int, int]:
     if library is not None:
         library[1](state)
     return bool(state[0]), state[1], state[2]
+
+
+def panel_helper_stall(pauses: int) -> int:
+    """For tests: make the helper, in the copy of panels.c that serves the products, pause this
+    many times after each chunk before committing it, as if the scheduler had stopped it there;
+    returns the setting it replaces (-1 where no kernel is built)."""
+    library = helpers.get(serving())
+    return -1 if library is None else library[2](pauses)
 
 
 def half_panels(dtype: torch.dtype) -> bool:
@@ -161,10 +170,12 @@ _lib.define("panel_linear(Tensor x, Tensor panels, Tensor weight_t) -> Tensor")
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     """x (M, in) @ W.T for W stored as `panels` (`panel_weight`) and as `weight_t`, W.T (in,
-    out): (M, out) in x's dtype, on torch's threads. Up to MOST_ROWS rows through the kernel
-    (half-precision rows widened to fp32 first: it sums in fp32), more (where the kernel's
-    passes over each panel stop paying) through `x @ weight_t`."""
-    if x.shape[0] > MOST_ROWS:
+    out): (M, out) in x's dtype, on torch's threads, through the kernel (half-precision rows
+    widened to fp32 first: it sums in fp32); fp32 rows beyond MOST_ROWS, where the kernel's
+    passes over each panel stop paying, through `x @ weight_t`. (Half precision goes to panels
+    only where the CPU has no bf16 instructions, and there torch's own half-precision product
+    was 2-4 times slower at 256-512 rows, AVX2.)"""
+    if x.shape[0] > MOST_ROWS and panels.dtype == torch.float32:
         return x @ weight_t
     rows = x.contiguous().float()
     M, K = rows.shape

@@ -3,8 +3,8 @@
 // dispatcher, 121 products and 30 attentions a step; registered in Python, each call went back
 // into the interpreter. Where this file cannot be built, the Python functions serve them.
 //
-//   minipaged::panel_linear  matvec.py's `panel_linear`: panels.c's product for up to MOST_ROWS
-//                            rows (float32, bfloat16 or float16 panels), torch's above
+//   minipaged::panel_linear  matvec.py's `panel_linear`: panels.c's product (float32, bfloat16
+//                            or float16 panels), torch's for float32 beyond MOST_ROWS rows
 //                            (PANEL and MOST_ROWS come from matvec.py, -D)
 //   minipaged::attend        paged.py's `DecodeAttention.attend` while a decode step's plan is
 //                            installed (`minipaged_install_plan`, by compiled.py for the step):
@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <vector>
 
 extern "C" void panel_linear(const float *x, const float *panels, float *y, int M, int N, int K,
                              int threads);
@@ -28,25 +29,42 @@ extern "C" void panel_linear_bf16(const float *x, const uint16_t *panels, float 
 extern "C" void panel_linear_f16(const float *x, const uint16_t *panels, float *y, int M, int N,
                                  int K, int threads);
 
-// Half-precision rows are widened first (the kernel sums in float32), and y narrowed back.
+// Half-precision rows are widened into a buffer of this thread's and the sums narrowed back
+// by plain loops: as torch ops (x.to(float), y.to(bf16)), two calls a product cost a bf16 decode
+// step of SmolLM2 about a millisecond of its ten.
+template <typename T, typename Kernel>
+static at::Tensor half_product(const at::Tensor &x, const at::Tensor &panels, Kernel kernel) {
+    at::Tensor rows = x.contiguous();
+    const int64_t M = rows.size(0), K = rows.size(1), N = panels.size(0) * PANEL;
+    thread_local std::vector<float> in, out;
+    in.resize(M * K);
+    out.resize(M * N);
+    const T *xs = rows.const_data_ptr<T>();
+    for (int64_t i = 0; i < M * K; i++) in[i] = static_cast<float>(xs[i]);
+    if (M)
+        kernel(in.data(), static_cast<const uint16_t *>(panels.const_data_ptr()), out.data(), M,
+               N, K, at::get_num_threads());
+    at::Tensor y = at::empty({M, N}, rows.options());
+    T *ys = y.mutable_data_ptr<T>();
+    for (int64_t i = 0; i < M * N; i++) ys[i] = static_cast<T>(out[i]);    // rounded to nearest
+    return y;
+}
+
 static at::Tensor panel_linear_cpu(const at::Tensor &x, const at::Tensor &panels,
                                    const at::Tensor &weight_t) {
+    if (panels.scalar_type() == at::kBFloat16)
+        return half_product<at::BFloat16>(x, panels, panel_linear_bf16);
+    if (panels.scalar_type() == at::kHalf)
+        return half_product<at::Half>(x, panels, panel_linear_f16);
     if (x.size(0) > MOST_ROWS)
         return at::mm(x, weight_t);
-    at::Tensor rows = x.to(at::kFloat).contiguous();
+    at::Tensor rows = x.contiguous();
     const int64_t M = rows.size(0), K = rows.size(1), N = panels.size(0) * PANEL;
     at::Tensor y = at::empty({M, N}, rows.options());
-    const float *in = rows.const_data_ptr<float>();
-    float *out = y.mutable_data_ptr<float>();
-    const auto *half = static_cast<const uint16_t *>(panels.const_data_ptr());
-    const int threads = at::get_num_threads();
-    if (M && panels.scalar_type() == at::kFloat)
-        panel_linear(in, panels.const_data_ptr<float>(), out, M, N, K, threads);
-    else if (M && panels.scalar_type() == at::kBFloat16)
-        panel_linear_bf16(in, half, out, M, N, K, threads);
-    else if (M)
-        panel_linear_f16(in, half, out, M, N, K, threads);
-    return y.to(x.scalar_type());
+    if (M)
+        panel_linear(rows.const_data_ptr<float>(), panels.const_data_ptr<float>(),
+                     y.mutable_data_ptr<float>(), M, N, K, at::get_num_threads());
+    return y;
 }
 
 // A decode step's plan: paged.py's `DecodePlan` (a ctypes structure) lays it out the same way.

@@ -103,7 +103,8 @@ def build() -> str | None:
             return f"{Path(cxx).name} could not build {SOURCE.name}: {build_error(e)}"
     _install.argtypes, _install.restype = [ctypes.c_void_p], ctypes.c_void_p
     matvec.panel_helper(False)        # (where panel_kernel's copy had one running)
-    matvec.add_helper("operators", library.panel_helper, library.panel_helper_state)
+    matvec.add_helper("operators", library.panel_helper, library.panel_helper_state,
+                      library.panel_helper_stall)
     matvec.operator_in_cpp = True
     return None
 

@@ -199,6 +199,7 @@ static _Atomic uint64_t owner[MAX_CHUNKS]; /* STATE(gen, state) of each chunk */
 static float stage[2][STAGE], out[STAGE];  /* copies of x; the helper's outputs */
 static _Atomic int on, asleep;
 static _Atomic long helped, taken;       /* chunks the helper multiplied, and lost */
+static _Atomic int stall;                  /* panel_helper_stall's pauses */
 static atomic_flag busy = ATOMIC_FLAG_INIT; /* a product is using the helper */
 static pthread_t helper;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -238,6 +239,7 @@ static void *help(void *arg) {
         int first = c * CHUNK, last = chunk_end(c, count);
         panels_into(PASSES_f32, 4, stage[g & 1], panels, out, CHUNK * NR, M, K, first,
                     last);
+        for (int i = atomic_load(&stall); i > 0; i--) cpu_pause();
         uint64_t mine = STATE(g, WORKING);
         if (atomic_compare_exchange_strong(&owner[c], &mine, STATE(g, COMMITTING))) {
             for (int m = 0; m < M; m++)
@@ -332,6 +334,15 @@ int panel_helper(int start) {
 #else
     return 0;
 #endif
+}
+
+/* For tests: the helper pauses this many times after multiplying each chunk, before it commits
+   it, as if the scheduler had stopped it there (0, unless set here); returns the setting it
+   replaces. Long enough, every chunk the helper takes is taken back from it. */
+int panel_helper_stall(int pauses) {
+    int before = stall;
+    stall = pauses;
+    return before;
 }
 
 /* Whether the helper is on, how many chunks it has multiplied and how many were taken back
