@@ -11,6 +11,8 @@ def sample(logits, temperature: float, top_p: float, generator=None) -> int:
     """One token id from a (vocab,) row of logits: greedy at temperature 0, else top-p."""
     if temperature == 0:
         return int(torch.argmax(logits))
+    if generator is not None:     # drawn where the seeded stream lives (a CPU generator): the
+        logits = logits.to(generator.device)   # same seed, the same token, on any device
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     probs_sorted, order = torch.sort(probs, descending=True)
     keep = probs_sorted.cumsum(-1) - probs_sorted <= top_p          # the smallest set reaching top_p
