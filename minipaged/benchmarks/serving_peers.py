@@ -41,9 +41,9 @@ during it, with minipaged's rate over each peer's ("mp / vLLM"...). The greedy t
 compared (requests equal from first to last token, and tokens before the first difference).
 --busy runs every job again with one more CPU-bound process beside the engine: a Python busy
 loop pinned to the last of the --threads cores. --isa avx2 limits minipaged's kernels to AVX2
-(as `benchmarks.products --isa` does) on a CPU with AVX-512, to be measured beside the llama.cpp
-built for AVX2 (install that one); minipaged's line under the table says what its kernels
-were built for and which ran.
+(as `benchmarks.products --isa` does) on a CPU with AVX-512, and vLLM's to its AVX2 build
+(`vllm_limited_to`), to be measured beside the llama.cpp built for AVX2 (install that one);
+minipaged's line under the table says what its kernels were built for and which ran.
 """
 
 from __future__ import annotations
@@ -232,8 +232,10 @@ def start_workers(args, dtype: str, jobs, logs: Path, console) -> dict:
         n_ctx = max(sum(len(p) + n for p, n in job) for job in jobs) + 256
         argv["llama.cpp"] = [sys.executable, peer_worker.__file__, "llama.cpp", json.dumps(dict(
             path=str(path), threads=args.threads, n_seq_max=most, n_ctx=n_ctx))]
-    env = {"minipaged": {**os.environ, **ISAS.get(args.isa, {})}}  # the peers: their own
-                                                # OpenMP setting, and any ISA llama.cpp's build has
+    limits = ISAS.get(args.isa, {})
+    env = {"minipaged": {**os.environ, **limits}}  # the peers: without minipaged's OpenMP setting
+    if args.isa:
+        env["vLLM"] = env["vLLM in-process"] = vllm_limited_to(args.isa, logs, limits)
     workers = {name: Worker(name, a, logs / f"{name}-{dtype}.log", env.get(name, started_with()))
                for name, a in argv.items()}
     console.print(f"{dtype}: loading {', '.join(workers)} ...")
@@ -245,6 +247,22 @@ def start_workers(args, dtype: str, jobs, logs: Path, console) -> dict:
             w.stop()
         raise
     return workers
+
+
+def vllm_limited_to(isa: str, logs: Path, limits: dict) -> dict:
+    """The environment that makes vLLM's CPU build run as on a CPU with only `isa` (avx2): its
+    processes import a sitecustomize that tells torch's AVX-512 checks no, so vLLM loads its
+    kernels built for AVX2 (`vllm._C_AVX2`, chosen by `torch.cpu._is_avx512_supported`), and
+    torch's and oneDNN's own kernels are limited as minipaged's are (`limits`)."""
+    folder = logs / f"vllm-{isa}"
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text(
+        "import torch.cpu\n"
+        "torch.cpu._is_avx512_supported = lambda: False\n"
+        "torch.cpu._is_avx512_bf16_supported = lambda: False\n")
+    env = started_with()
+    return {**env, **limits, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(folder), env.get("PYTHONPATH")]))}
 
 
 def started_with() -> dict:
