@@ -126,6 +126,15 @@ CASES = {   # module: {argv: what the error line names (None: answered)}
         ("--vllm-python", "PYTHON"): ["--vllm-python", "cannot import vllm"],
         ("--cache-dir", "/proc/llama_cpp"): ["--cache-dir"],
         ("--json", "/nonexistent/out.json"): ["--json", "does not exist"],
+        ("--isa", "sse2"): ["--isa"],
+    },
+    "products": {
+        ("--rows", "0"): ["--rows"],
+        ("--rows", "385"): ["--rows"],
+        ("--repeats", "0"): ["--repeats"],
+        ("--dtypes", "float64"): ["--dtypes"],
+        ("--isa", "sse2"): ["--isa"],
+        ("--rows", "2", "--repeats", "1", "--dtypes", "float16"): None,
     },
 }
 
@@ -230,3 +239,17 @@ def test_a_paused_worker_and_its_children_use_no_cpu_until_continued(tmp_path):
         for pid in process_tree(worker.proc.pid):
             os.kill(pid, signal.SIGKILL)
         worker.proc.wait()
+
+
+def test_vllm_limited_to_avx2_sees_no_avx512(tmp_path):
+    """serving_peers --isa avx2 starts vLLM with a sitecustomize that answers torch's AVX-512
+    checks no (vLLM then loads its AVX2 kernels) and torch's own kernels limited to AVX2."""
+    import subprocess
+    from minipaged.benchmarks.products import isa_environment
+    from minipaged.benchmarks.serving_peers import vllm_limited_to
+    env = vllm_limited_to("avx2", tmp_path, isa_environment("avx2"))
+    seen = subprocess.run([sys.executable, "-c", "import torch; print(torch.cpu._is_avx512_supported("
+                           "), torch.cpu._is_avx512_bf16_supported(), "
+                           "torch.backends.cpu.get_cpu_capability())"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert seen.stdout.split() == ["False", "False", "AVX2"], seen.stdout + seen.stderr

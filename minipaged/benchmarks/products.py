@@ -23,7 +23,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,16 @@ LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS, LOGITS = 30, (49152, 576)
 ISAS = {"avx2": {"MINIPAGED_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2",
                  "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+
+
+def isa_environment(isa: str) -> dict:
+    """The variables that limit a process's kernels to `isa` (ISAS), with caches of compiled
+    graphs of their own: torch.compile's (TORCHINDUCTOR_CACHE_DIR) and vLLM's (VLLM_CACHE_ROOT).
+    Sharing inductor's cache, a native process loaded a SmolLM2 decode graph compiled under
+    the AVX2 limits and crashed in it (heap corruption)."""
+    folder = Path(tempfile.gettempdir()) / f"minipaged-{isa}-caches"
+    return {**ISAS[isa], "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
+            "VLLM_CACHE_ROOT": str(folder / "vllm")}
 
 
 def weights(dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
@@ -129,7 +141,7 @@ def main(argv=None):
     if args.isa:
         child = [sys.executable, "-m", "minipaged.benchmarks.products", "--dtypes", *args.dtypes,
                  "--rows", *map(str, args.rows), "--repeats", str(args.repeats)]
-        return subprocess.run(child, env={**os.environ, **ISAS[args.isa]}).returncode
+        return subprocess.run(child, env={**os.environ, **isa_environment(args.isa)}).returncode
     measure([getattr(torch, d) for d in args.dtypes], args.rows, args.repeats, console)
     return 0
 

@@ -71,7 +71,7 @@ from ..fast import FastEngine, FusedLlama, compile_decode, kernels
 from ..formats import load_model, packaged_model_path
 from ..formats.atomic import write_file
 from . import peer_worker
-from .products import ISAS
+from .products import ISAS, isa_environment
 from .serving import sharegpt_like_trace
 from .smollm2 import LLAMA_CPP_TYPES, cache_folder, llama_cpp, llama_cpp_file
 
@@ -232,7 +232,7 @@ def start_workers(args, dtype: str, jobs, logs: Path, console) -> dict:
         n_ctx = max(sum(len(p) + n for p, n in job) for job in jobs) + 256
         argv["llama.cpp"] = [sys.executable, peer_worker.__file__, "llama.cpp", json.dumps(dict(
             path=str(path), threads=args.threads, n_seq_max=most, n_ctx=n_ctx))]
-    limits = ISAS.get(args.isa, {})
+    limits = isa_environment(args.isa) if args.isa else {}
     env = {"minipaged": {**os.environ, **limits}}  # the peers: without minipaged's OpenMP setting
     if args.isa:
         env["vLLM"] = env["vLLM in-process"] = vllm_limited_to(args.isa, logs, limits)
