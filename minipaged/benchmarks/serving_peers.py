@@ -68,6 +68,7 @@ from .. import cli
 from ..api import generate
 from ..errors import PeerError
 from ..fast import FastEngine, FusedLlama, compile_decode, kernels
+from ..fast.kernels import cpu_name
 from ..formats import load_model, packaged_model_path
 from ..formats.atomic import write_file
 from . import peer_worker
@@ -143,14 +144,8 @@ def cpu_seconds(root: int) -> float:
 
 
 def machine() -> str:
-    """The CPU's model name and the matrix instructions it offers, from /proc/cpuinfo."""
-    info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if ":" in line)
-    info = {k.strip(): v.strip() for k, v in info.items()}
-    offered = info.get("flags", "").split()
-    flags = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in offered]
-    return f"{info.get('model name', 'an unnamed CPU')}, {os.cpu_count()} cores " \
-           f"({', '.join(flags) or 'no AVX-512'})"
+    """The CPU's model name and the vector features it offers (`fast.kernels.cpu_name`)."""
+    return f"{cpu_name()}, {os.cpu_count()} cores"
 
 
 def machine_busy_seconds() -> float:

@@ -2,7 +2,7 @@
 
     fused_llama.py  FusedLlama: fused projections, weights in a layout that streams at memory
                     speed, and for several rows as panels for a C kernel (panels.c: fp32, and
-                    half precision where the CPU has no bf16 instructions) or packed for
+                    half precision unless the CPU has AMX) or packed for
                     oneDNN (matvec.py), rotary on real numbers; a drop-in
                     for a `Llama`
     compiled.py     compile_decode: its decode step compiled into one graph (torch.compile with

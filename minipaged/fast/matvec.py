@@ -34,10 +34,10 @@ row multiplies through the kernel too (on SmolLM2, separate processes in turn, m
 function it gained nothing.
 
 Half precision goes to panels.c too, as bf16 or fp16 panels widened to fp32 as they stream in
-(half the bytes of fp32), unless the CPU multiplies bf16 itself (AVX-512 with bf16, AMX): there
-oneDNN's bf16 kernel was as fast at a few rows and faster at many (`half_panels`; `python -m
-minipaged.benchmarks.products` measures both). In bf16 on such a CPU, and in fp32 where the
-kernel cannot be built, several rows go to oneDNN's kernel, on a
+(half the bytes of fp32), unless the CPU has AMX, whose tiles multiply bf16 faster
+(`half_panels`, with the measurements; `python -m minipaged.benchmarks.products` times the
+kernels side by side). In bf16 on such a CPU, and in fp32 where the kernel cannot be built,
+several rows go to oneDNN's kernel, on a
 copy of the weight that oneDNN has packed ahead of time into the tiles its kernel reads
 (`onednn_weight`; `torch.compile` packs weights the same way under freezing), and to one plain
 product where neither serves (fp64, another device, a weight whose outputs are not a multiple
@@ -139,15 +139,20 @@ def panel_helper_stall(pauses: int) -> int:
 
 def half_panels(dtype: torch.dtype) -> bool:
     """Whether a half-precision weight goes to panels.c (bf16 and fp16 panels, widened to fp32
-    as they stream in) rather than to oneDNN: always for fp16, which oneDNN's packing does not
-    take; for bf16 unless the CPU multiplies bf16 itself (oneDNN's AVX-512 bf16 or AMX kernels)
-    and panels.c was built for AVX-512 too. Where oneDNN would emulate bf16 (AVX2, Arm), it is
-    slower than reading half the bytes of fp32 (the benchmarks page, products)."""
+    as they stream in) rather than to oneDNN and the compiler's products: always for fp16,
+    which oneDNN's packing does not take; for bf16 unless panels.c was built for AVX-512 on a
+    CPU with AMX, whose tile instructions multiply bf16 faster than any fp32 FMA. Without AMX
+    the other ways were slower: emulated bf16 on AVX2, and on an AVX-512 CPU with bf16 dot
+    products but no AMX (AMD EPYC, SmolLM2's compiled decode steps) 15.7, 60.3 and 170.4 ms at
+    1, 16 and 64 rows against 7.9, 15.7 and 55.2 through panels.c."""
     if dtype == torch.float16:
         return True
-    return dtype == torch.bfloat16 and not (
-        built_isa == "avx512" and torch.backends.mkldnn.is_available() and
-        torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.bfloat16 and not (built_isa == "avx512" and amx())
+
+
+def amx() -> bool:
+    """Whether the CPU has AMX's tile instructions (torch's check; False where it has none)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def panel_weight(weight: torch.Tensor):
