@@ -216,12 +216,13 @@ ONEDNN = {"freezing": True, "cpp_wrapper": True}
 
 
 def batch_options(dtype: torch.dtype) -> dict:
-    """How the batch step's products are compiled. In bf16 inductor writes them (its AMX or
-    AVX-512 kernels, one for any number of rows): on SmolLM2 a decode step of 4 rows took 15 ms
-    against 19 through oneDNN, of 64 rows 34 against 38. In fp32 its products lost to
-    oneDNN's from 8 rows up (64 rows: 163 ms against 97), and MatVec's panel kernel beats
-    both: fp32 leaves the products as MatVec gives them (`minipaged::panel_linear`, or
-    oneDNN's where that kernel cannot be built)."""
+    """How the batch step's products are compiled. In bf16 on a CPU with AMX inductor writes
+    them (its AMX kernels, one for any number of rows): on SmolLM2 a decode step of 4 rows took
+    15 ms against 19 through oneDNN, of 64 rows 34 against 38. Without AMX, MatVec gives bf16
+    products to panels.c (`matvec.half_panels`) and these options leave them so. In fp32 its
+    products lost to oneDNN's from 8 rows up (64 rows: 163 ms against 97), and MatVec's panel
+    kernel beats both: fp32 leaves the products as MatVec gives them (`minipaged::panel_linear`,
+    or oneDNN's where that kernel cannot be built)."""
     return OPTIONS if dtype == torch.bfloat16 else ONEDNN
 
 
