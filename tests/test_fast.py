@@ -290,13 +290,19 @@ def test_matvec_without_onednn_is_still_a_linear_layer(monkeypatch, rows):
 
 
 def test_matvec_moved_to_another_dtype_packs_the_new_weight():
-    """`.to(dtype)` converts the weight; the copy for several rows follows it: oneDNN's in
-    bf16, none in fp64, panels again back in fp32."""
+    """`.to(dtype)` converts the weight; the copy for several rows follows it: bf16 panels or
+    oneDNN's (`half_panels`), fp16 panels, none in fp64, panels again back in fp32."""
     w = torch.randn(96, 128)
-    for dtype in (torch.bfloat16, torch.float64):
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
         mv = MatVec(w).to(dtype)
-        assert mv.panels is None
-        assert (mv.packed is None) == (matvec.onednn_weight(w.to(dtype)) is None)
+        panels = matvec.panel_weight(w.to(dtype))
+        assert (mv.panels is None) == (panels is None)
+        assert mv.panels is None or (mv.panels.dtype == dtype and torch.equal(mv.panels, panels))
+        assert (mv.packed is None) == (panels is not None or
+                                       matvec.onednn_weight(w.to(dtype)) is None)
+        assert (mv.panels is not None) == (dtype != torch.float64 and
+                                           not isinstance(matvec.panel_kernel(), str) and
+                                           matvec.half_panels(dtype))
         for rows in (1, 3):
             assert_linear(mv, w, rows, dtype)
     mv = MatVec(w).to(torch.float64).to(torch.float32)
