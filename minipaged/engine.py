@@ -131,6 +131,7 @@ class Engine:
         self.block_bytes = bytes_per_block(block_size, a.n_kv_heads, a.head_dim, p.dtype,
                                            a.n_layers)
         self.requests: list[Request] = []          # every request, in the order added
+        self.next_req_id = 0                       # (a server `release`s answered ones)
         self.pending: list[Request] = []           # added, not arrived yet
         self.step_count = 0
         self.stats = EngineStats()
@@ -157,10 +158,11 @@ class Engine:
         arrival_step = check_whole("arrival_step", arrival_step)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise RequestError(f"generator must be a torch.Generator (or None), not {generator!r}")
-        req = Request(len(self.requests), list(prompt), int(max_new_tokens), temperature, top_p,
+        req = Request(self.next_req_id, list(prompt), int(max_new_tokens), temperature, top_p,
                       generator, stop, max(arrival_step, self.step_count))
         self.scheduler.check(req)
         self.requests.append(req)
+        self.next_req_id += 1
         if req.max_new_tokens == 0:                # nothing to do
             req.status, req.finish_step = "finished", self.step_count
         else:
@@ -196,6 +198,13 @@ class Engine:
         req.status, req.finish_step = "finished", self.step_count
         for sib in dict.fromkeys(unforked):
             self.abort(sib)
+
+    def release(self, reqs) -> None:
+        """Forget finished requests (`requests` keeps every request otherwise): a server that
+        runs for weeks releases each one once its answer is delivered."""
+        gone = {id(r) for r in reqs if r.status == "finished"}
+        if gone:
+            self.requests = [r for r in self.requests if id(r) not in gone]
 
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -13,12 +13,22 @@ def sample(logits, temperature: float, top_p: float, generator=None) -> int:
         return int(torch.argmax(logits))
     if generator is not None:     # drawn where the seeded stream lives (a CPU generator): the
         logits = logits.to(generator.device)   # same seed, the same token, on any device
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    probs = tempered_softmax(logits, temperature)
     probs_sorted, order = torch.sort(probs, descending=True)
     keep = probs_sorted.cumsum(-1) - probs_sorted <= top_p          # the smallest set reaching top_p
     probs_sorted = probs_sorted * keep
     choice = torch.multinomial(probs_sorted / probs_sorted.sum(), 1, generator=generator)
     return int(order[choice])
+
+
+def tempered_softmax(logits, temperature: float):
+    """softmax(logits / temperature) over the last dimension, for any temperature > 0. The
+    largest logit is taken off first and the temperature is at least float32's smallest normal
+    number, so a tiny temperature sends every other logit to -inf (probability 0), the limit
+    greedy decoding is — never inf - inf (NaN)."""
+    logits = logits.float()
+    temperature = max(temperature, torch.finfo(torch.float32).tiny)
+    return torch.softmax((logits - logits.amax(-1, keepdim=True)) / temperature, dim=-1)
 
 
 def row_generator(seed: int, index: int) -> torch.Generator:

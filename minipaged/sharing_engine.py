@@ -86,10 +86,11 @@ class SharingEngine(ChunkedEngine):
                                   stop_tokens, arrival_step)
         siblings = []
         for g in gens[1:]:                         # forked from req after its prefill
-            sib = Request(len(self.requests), list(req.prompt), req.max_new_tokens, temperature,
+            sib = Request(self.next_req_id, list(req.prompt), req.max_new_tokens, temperature,
                           top_p, g, req.stop_tokens, req.arrival_step, status=req.status,
                           finish_step=req.finish_step)
             self.requests.append(sib)
+            self.next_req_id += 1
             siblings.append(sib)
         if siblings and req.status != "finished":
             self.scheduler.siblings[req.req_id] = siblings

@@ -41,6 +41,7 @@ import torch
 from .cache_manager import PAD_BLOCK
 from .chunked_engine import PackedBatch
 from .errors import RequestError
+from .sampling import tempered_softmax
 from .sharing_engine import SharingEngine, SharingScheduler
 
 METHODS = ("ngram",)
@@ -74,7 +75,7 @@ def accept_greedy(drafts, logits) -> list[int]:
 def target_probs(logits, temperature: float, top_p: float):
     """(..., V) logits -> the distribution `sampling.sample` draws from: softmax at the
     temperature, cut to the smallest set of tokens reaching top_p, renormalised."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    probs = tempered_softmax(logits, temperature)
     sorted_p, order = torch.sort(probs, descending=True, dim=-1)
     keep = sorted_p.cumsum(-1) - sorted_p <= top_p
     cut = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)

@@ -202,10 +202,10 @@ BAD = {
 
 
 def engine_state(server):
+    """The engine's figures, taken by its loop between two steps."""
     e = server.engine
-    with server.loop.lock:
-        return (len(e.requests), e.cache.num_free_blocks, e.step_count, e.stats.generated_tokens,
-                len(e.scheduler.waiting))
+    return server.loop.ask(lambda: (e.next_req_id, e.cache.num_free_blocks, e.step_count,
+                                    e.stats.generated_tokens, len(e.scheduler.waiting))).result()
 
 
 @pytest.mark.parametrize("case", BAD)
@@ -257,13 +257,15 @@ def test_a_client_that_hangs_up_mid_stream_frees_its_blocks(server):
                 events += line.startswith("data: ")
                 if events == 3:
                     held = metrics(server)["minipaged_kv_blocks_used"]
+                    req = server.loop.ask(lambda: server.engine.requests[-1]).result()
                     break
     assert held > 0
     m = wait_idle(server)
     assert m["minipaged_kv_blocks_used"] == 0
     assert m["minipaged_requests_aborted_total"] == aborted + 1
-    last = server.engine.requests[-1]
-    assert last.status == "finished" and 0 < len(last.output) < 500
+    assert req.status == "finished" and 0 < len(req.output) < 500
+    assert server.loop.ask(lambda: server.engine.requests).result() == [], \
+        "an answered request is still kept by the engine"
 
 
 # -- load ---------------------------------------------------------------------------------------

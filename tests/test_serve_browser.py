@@ -63,8 +63,8 @@ def test_the_page_draws_what_the_pool_holds_while_clients_stream():
         for t in threads:
             t.start()
         pictures, cells = drawn(dump_dom(srv.url + "/?frames=25"))
-        with srv.loop.lock:
-            trace = {v: (used, cached) for v, used, cached in srv.loop.trace}
+        trace = {v: (used, cached) for v, used, cached in
+                 srv.loop.ask(lambda: list(srv.loop.trace)).result()}
     finally:
         stop.set()
         for t in threads:

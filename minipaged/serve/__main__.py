@@ -12,9 +12,8 @@ from ..errors import UsageError
 from ..formats import PACKAGED_MODELS
 
 try:                                   # the serve extra: fastapi, uvicorn
-    import uvicorn
-
-    from .server import UvicornServer, build
+    from .app import MAX_BODY_BYTES
+    from .server import UvicornServer, build, config
     MISSING = None
 except ImportError as e:
     MISSING = e.name
@@ -40,6 +39,8 @@ def build_parser():
                    "(default: the model's context, at most 4096)")
     p.add_argument("--max-waiting", type=cli.whole(1), default=64,
                    help="requests that may wait for the engine; past it, 503")
+    p.add_argument("--max-body-bytes", type=cli.size, default=None,
+                   help="a request body past this size is refused with 413 (default: 1MiB)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--drain-seconds", type=cli.number(at_least=0), default=5.0,
                    help="after Ctrl-C or SIGTERM, how long answers in flight may finish "
@@ -56,16 +57,17 @@ def main(argv=None) -> int:
     loop, app, _, _ = build(args.model, getattr(torch, args.dtype), args.block_size,
                             args.num_blocks, args.kv_budget, args.preemption, args.max_num_seqs,
                             args.max_num_batched_tokens, not args.no_prefix_caching,
-                            args.max_model_len, args.max_waiting)
+                            args.max_model_len, args.max_waiting,
+                            max_body_bytes=args.max_body_bytes or MAX_BODY_BYTES)
     e = loop.engine
     print(f"minipaged serving {args.model or 'embedded'}: {e.cache.num_blocks} blocks of "
           f"{e.cache.block_size} tokens, context {e.max_seq_len}; the pool live at "
           f"http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=args.drain_seconds + 5)
+    settings = config(app, host=args.host, port=args.port,
+                      timeout_graceful_shutdown=args.drain_seconds + 5)
     loop.start()
     try:
-        UvicornServer(config, loop, args.drain_seconds).run()
+        UvicornServer(settings, loop, args.drain_seconds).run()
     finally:
         loop.stop()
     print("minipaged serve: stopped", file=sys.stderr, flush=True)

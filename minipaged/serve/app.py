@@ -10,28 +10,35 @@
 Each request is read and checked here, then handed to the loop; what the engine refuses (a
 prompt too long for the context or the pool) comes back as OpenAI's 400 error, and the engine
 is as it was. A streamed answer is server-sent events ending `data: [DONE]`; a client that
-hangs up has its request aborted, and its blocks are free after the next step.
+hangs up, at any point after its first byte, has its request aborted, and its blocks are free
+after the next step. The event loop never waits for a step: a body is read up to a size limit,
+and parsed and tokenized in a worker thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import (HTMLResponse, JSONResponse, PlainTextResponse, Response,
+                               StreamingResponse)
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import RequestError
 from ..formats import chat_format
 from .live_page import LIVE_PAGE
-from .loop import EngineLoop, QueueFullError
+from .loop import EngineLoop, QueueFullError, pool_state
 from .metrics import prometheus_text
 from .protocol import (APIError, Answer, get_model, parse_json, sampling, sse, usage)
 
 CHAT_DEFAULT_MAX_TOKENS = 256     # a chat reply's length when the request names none
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 EVENTS_PERIOD = 0.1               # seconds between two pictures of the pool on /pool/events
+MAX_BODY_BYTES = 2**20            # a request body past this is refused (413), unread
+log = logging.getLogger("minipaged.serve")
 
 
 class Choice:
@@ -63,10 +70,12 @@ class Choice:
         return out
 
 
-def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
+def create_app(loop: EngineLoop, tokenizer, model_name: str,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="minipaged", docs_url=None, redoc_url=None, openapi_url=None)
     engine = loop.engine
     fmt = chat_format(tokenizer)
+    max_n = engine.scheduler.max_num_seqs
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -77,6 +86,32 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
         return JSONResponse(APIError(str(e.detail), status=e.status_code).body(),
                             status_code=e.status_code)
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request, e):           # hung up while sending its body: nobody reads
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def bug(request, e: Exception):
+        log.exception("a request failed")
+        return JSONResponse(APIError(f"the server failed on this request ({type(e).__name__}: "
+                                     f"{e}); it goes on serving", status=500,
+                                     kind="server_error").body(), status_code=500)
+
+    async def read_json(request: Request) -> dict:
+        """The body as a JSON object: read up to `max_body_bytes`, parsed in a worker thread."""
+        declared = request.headers.get("content-length", "")
+        too_big = APIError(f"the request body is over {max_body_bytes} bytes; send a shorter "
+                           f"prompt (or start the server with a larger --max-body-bytes)",
+                           code="body_too_large", status=413)
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            raise too_big
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > max_body_bytes:
+                raise too_big
+        return await asyncio.to_thread(parse_json, bytes(raw))
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model",
@@ -84,35 +119,40 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse_json(await request.body())
+        body = await read_json(request)
         get_model(body, model_name)
+        opts = sampling(body, COMPLETION_DEFAULT_MAX_TOKENS, max_n)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]                          # a batch of one
         if isinstance(prompt, str) and prompt:
-            ids = tokenizer.encode(prompt, bos=True)
-        elif isinstance(prompt, list) and prompt and \
+            ids = await asyncio.to_thread(tokenizer.encode, prompt, bos=True)
+        elif isinstance(prompt, list) and prompt and len(prompt) < engine.max_seq_len and \
                 all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = prompt
+        elif isinstance(prompt, list) and len(prompt) >= engine.max_seq_len:
+            raise APIError(f"the prompt has {len(prompt)} tokens, and the context holds "
+                           f"{engine.max_seq_len} with the answer; shorten it", param="prompt",
+                           code="invalid_value")
         else:
             raise APIError("prompt must be a non-empty string or a non-empty list of token ids "
                            "(one prompt per request)", param="prompt", code="invalid_type")
-        opts = sampling(body, COMPLETION_DEFAULT_MAX_TOKENS)
         return await answer(request, Answer(False, model_name), ids, opts)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = parse_json(await request.body())
+        body = await read_json(request)
         get_model(body, model_name)
+        opts = sampling(body, CHAT_DEFAULT_MAX_TOKENS, max_n)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise APIError("messages must be a non-empty list of {role, content} objects",
                            param="messages", code="invalid_type")
         try:
-            ids = fmt.encode_dialog_prompt([plain_message(m) for m in messages])
+            ids = await asyncio.to_thread(fmt.encode_dialog_prompt,
+                                          [plain_message(m) for m in messages])
         except RequestError as e:
             raise APIError(str(e), param="messages", code="invalid_value") from None
-        opts = sampling(body, CHAT_DEFAULT_MAX_TOKENS)
         if "max_tokens" not in body and "max_completion_tokens" not in body:
             opts["max_tokens"] = max(1, min(opts["max_tokens"], engine.max_seq_len - len(ids)))
         return await answer(request, Answer(True, model_name), ids, opts)
@@ -129,30 +169,36 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
                 from None
         except RequestError as e:
             raise APIError(str(e), param=_param_of(str(e)), code="invalid_value") from None
+        watcher = asyncio.create_task(hang_up(request, ticket))
         choices = [Choice(tokenizer, opts["stop"]) for _ in range(opts["n"])]
         if opts["stream"]:
-            return StreamingResponse(stream(ans, ticket, choices, opts["include_usage"]),
+            return StreamingResponse(stream(ans, ticket, choices, opts["include_usage"], watcher),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            async for _ in tokens(ticket, choices, request):
+            async for _ in tokens(ticket, choices):
                 pass
         finally:
-            if not all(c.finish for c in choices):     # the client went away, or shutdown
+            watcher.cancel()
+            if not all(c.finish for c in choices):     # shutdown
                 loop.abort(ticket)
+        if ticket.error:
+            raise APIError(ticket.error, status=500, kind="server_error", code="engine_error")
         texts = [c.text for c in choices]
         return ans.whole(texts, [c.finish for c in choices],
                          usage(ticket.prompt_tokens, sum(len(r.output) for r in ticket.samples)))
 
-    async def tokens(ticket, choices, request=None):
+    async def hang_up(request, ticket):
+        """Abort `ticket` once its client hangs up, whatever its request is doing by then (the
+        server learns it from the connection, not from a failed write)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        loop.abort(ticket)
+
+    async def tokens(ticket, choices):
         """Each sample's new text as the loop posts its tokens: (index, text) until all end."""
         while not all(c.finish for c in choices):
-            try:
-                i, new, reason = await asyncio.wait_for(ticket.queue.get(), 0.5)
-            except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    return
-                continue
+            i, new, reason = await ticket.queue.get()
             c = choices[i]
             if c.finish:
                 continue                              # ended by a stop string already
@@ -160,7 +206,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
                 loop.abort(ticket, i)                 # a stop string: no more tokens for it
             yield i, c.take()
 
-    async def stream(ans: Answer, ticket, choices, include_usage):
+    async def stream(ans: Answer, ticket, choices, include_usage, watcher):
         finished = [False] * len(choices)
         try:
             if ans.chat:
@@ -171,18 +217,26 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
                     yield sse(ans.chunk(i, text))
                 if choices[i].finish and not finished[i]:
                     finished[i] = True
-                    yield sse(ans.chunk(i, None if ans.chat else "", choices[i].finish))
+                    yield sse(APIError(ticket.error, status=500, kind="server_error",
+                                       code="engine_error").body()
+                              if choices[i].finish == "error" else
+                              ans.chunk(i, None if ans.chat else "", choices[i].finish))
             if include_usage:
                 yield sse(ans.usage_chunk(usage(ticket.prompt_tokens,
                                                 sum(len(r.output) for r in ticket.samples))))
             yield sse("[DONE]")
         finally:             # the client hung up (the response was cancelled), or shutdown
+            watcher.cancel()
             if not all(finished):
                 loop.abort(ticket)
 
+    async def picture():
+        """The pool as the live page draws it, taken by the loop between two steps."""
+        return await asyncio.wrap_future(loop.ask(lambda: pool_state(engine, loop)))
+
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus_text(loop.snapshot()),
+        return PlainTextResponse(prometheus_text(loop.counters),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/")
@@ -191,20 +245,22 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str) -> FastAPI:
 
     @app.get("/pool")
     async def pool():
-        return loop.snapshot()
+        return await picture()
 
     @app.get("/pool/trace")
     async def pool_trace():
         """(version, blocks used, cached free blocks) after each of the loop's recent changes."""
-        with loop.lock:
-            return [list(t) for t in loop.trace]
+        return await asyncio.wrap_future(loop.ask(lambda: [list(t) for t in loop.trace]))
 
     @app.get("/pool/events")
     async def pool_events(request: Request):
         async def pictures():
             last = None
             while not loop.stopping:
-                state = loop.snapshot()
+                try:
+                    state = await picture()
+                except QueueFullError:                # shutting down
+                    return
                 key = json.dumps(state)
                 if key != last:
                     last = key

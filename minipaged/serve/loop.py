@@ -1,17 +1,20 @@
 """The server's engine loop: one thread owns the engine, and requests join and leave it only
 between two steps.
 
-HTTP handlers never touch the engine. They hand the loop a job (add these samples, abort that
-request) and wait; the loop runs the jobs at the next step boundary, steps the engine once, and
-posts each request's new tokens back to the handler's asyncio queue. So the engine stays what
-stage 5 made it — a single-threaded `step()` — and a request that arrives while a step runs
-simply joins the next one.
+HTTP handlers never touch the engine, and never wait for a step. They hand the loop a job (add
+these samples, abort that request, take a picture of the pool) and await its answer; the loop
+runs the jobs at the next step boundary, steps the engine once, and posts each request's new
+tokens back to the handler's asyncio queue. So the engine stays what stage 5 made it — a
+single-threaded `step()` — and a request that arrives while a step runs simply joins the next
+one. A step that raises fails the requests it ran (their clients get the error) and the loop
+goes on; a request leaves the engine once its last token is delivered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import random
 import threading
 from collections import deque
@@ -21,6 +24,8 @@ import torch
 
 from ..errors import MiniPagedError, RequestError
 from ..generation import row_generator
+
+log = logging.getLogger("minipaged.serve")
 
 
 class QueueFullError(MiniPagedError):
@@ -35,6 +40,7 @@ class Ticket:
     aio: asyncio.AbstractEventLoop
     sent: list = field(default_factory=list)     # tokens already posted, per sample
     done: list = field(default_factory=list)     # finished, per sample
+    error: str | None = None           # why the engine failed it (finish_reason "error")
 
     @property
     def prompt_tokens(self) -> int:
@@ -42,22 +48,24 @@ class Ticket:
 
 
 class EngineLoop:
-    """Owns `engine` in a thread of its own. `max_waiting` bounds the requests that may wait for
-    the engine (past it, `submit` refuses with QueueFullError)."""
+    """Owns `engine` in a thread of its own. `max_waiting` bounds the requests that may wait
+    beyond those the next step can start (past it, `submit` refuses with QueueFullError)."""
 
     def __init__(self, engine, max_waiting: int = 64):
         self.engine = engine
         self.max_waiting = max_waiting
-        self.lock = threading.Condition()     # held while a step or a job runs
+        self.lock = threading.Condition()     # guards inbox and stopping; never held in a step
         self.inbox: list = []                 # jobs for the next step boundary
         self.tickets: list[Ticket] = []       # requests with samples still in the engine
         self.stopping = False
         self.refused = 0                      # requests answered 503 (queue full)
         self.aborted_ids: set[int] = set()    # req_ids ended by an abort
         self.aborted = 0                      # samples ended early (client gone, stop string)
+        self.failed = 0                       # samples ended by a step that raised
         self.last_step_tokens = 0             # tokens the last step ran through the model
         self.version = 0                      # counts the loop's changes to the engine
         self.trace = deque(maxlen=4096)       # (version, blocks used, cached free) after each
+        self.counters = counters(engine, self)   # what /metrics prints, after the last change
         self.thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
 
     def start(self) -> "EngineLoop":
@@ -77,24 +85,28 @@ class EngineLoop:
         """Ask for `n` samples of `prompt`; the future gives a Ticket, or the engine's
         RequestError (the request changed nothing), or QueueFullError."""
         aio, queue = asyncio.get_running_loop(), asyncio.Queue()
-        fut: concurrent.futures.Future = concurrent.futures.Future()
         seed = random.randrange(2**63) if seed is None else seed
-        gens = [row_generator(seed, j) if temperature > 0 else None for j in range(n)]
 
         def add():
             e = self.engine
-            if len(e.pending) + len(e.scheduler.waiting) >= self.max_waiting:
+            if self.waiting_beyond_next_step() >= self.max_waiting:
                 self.refused += 1
                 raise QueueFullError(f"{self.max_waiting} requests are already waiting for the "
                                      f"engine; try again shortly")
-            first = e.add_request(prompt, max_tokens, temperature, top_p, stop_tokens=stop_tokens,
-                                  n=n, generators=gens)
-            samples = e.requests[first.req_id:first.req_id + n]
-            t = Ticket(samples, queue, aio, [0] * n, [False] * n)
+            gens = [row_generator(seed, j) if temperature > 0 else None for j in range(n)]
+            e.add_request(prompt, max_tokens, temperature, top_p, stop_tokens=stop_tokens,
+                          n=n, generators=gens)
+            t = Ticket(e.requests[-n:], queue, aio, [0] * n, [False] * n)
             self.tickets.append(t)
             return t
-        self._post(add, fut)
-        return fut
+        return self.ask(add)
+
+    def waiting_beyond_next_step(self) -> int:
+        """Requests that will still wait after the next step has started all it has rows for
+        (a bound that does not depend on when, between two steps, requests arrive)."""
+        e, s = self.engine, self.engine.scheduler
+        free_rows = s.max_num_seqs - len(s.running) - len(s.swapped)
+        return max(0, len(e.pending) + len(s.waiting) - free_rows)
 
     def abort(self, ticket: Ticket, index: int | None = None) -> None:
         """Give up a request (every sample, or sample `index`) at the next step boundary."""
@@ -105,8 +117,7 @@ class EngineLoop:
                     self.engine.abort(r)
                     self.aborted += 1
                     self.aborted_ids.add(r.req_id)
-            return None
-        self._post(job, concurrent.futures.Future())
+        self.ask(job)
 
     def abort_all(self) -> None:
         """Give up every request in flight at the next step boundary (the end of a shutdown's
@@ -114,15 +125,26 @@ class EngineLoop:
         def job():
             for t in self.tickets:
                 self.abort(t)
-        self._post(job, concurrent.futures.Future())
+        self.ask(job)
 
-    def _post(self, job, fut) -> None:
+    def ask(self, job) -> concurrent.futures.Future:
+        """Run `job()` in the loop's thread at the next step boundary (at once if the loop is
+        idle); the future gives what it returns, or the error it raised."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
         with self.lock:
             if self.stopping:
                 fut.set_exception(QueueFullError("the server is shutting down"))
-                return
-            self.inbox.append((job, fut))
-            self.lock.notify()
+            else:
+                self.inbox.append((job, fut))
+                self.lock.notify()
+        return fut
+
+    def snapshot(self) -> dict:
+        """The pool and the queues, consistent (taken between two steps). Blocks the calling
+        thread for up to a step: from the event loop, await `ask(...)` instead."""
+        if not self.thread.is_alive():
+            return pool_state(self.engine, self)
+        return self.ask(lambda: pool_state(self.engine, self)).result()
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -134,32 +156,56 @@ class EngineLoop:
                 if self.stopping:
                     self._abort_all()
                     return
-                changed = self._run_jobs()
-                if self.engine.has_unfinished():
-                    changed = True
-                    with torch.inference_mode():
-                        self.engine.step()
-                    self.last_step_tokens = sum(self.engine.tokens_run.values())
-                self._deliver()
-                if changed:
-                    self.version += 1
-                    self.trace.append((self.version, self.engine.cache.num_used_blocks,
-                                       self.engine.cache.num_free_blocks -
-                                       len(self.engine.cache.managers[0].free_blocks)))
+                jobs, self.inbox = self.inbox, []
+            changed = self._run_jobs(jobs)
+            if self.engine.has_unfinished():
+                changed = True
+                self._step()
+            self._deliver()
+            if changed:
+                self._published()
 
-    def _run_jobs(self) -> bool:
+    def _step(self) -> None:
+        """One engine step. If it raises, the requests it ran are failed, and only they."""
+        try:
+            with torch.inference_mode():
+                self.engine.step()
+            self.last_step_tokens = sum(self.engine.tokens_run.values())
+        except Exception as e:               # a bug, or a value the checks let through
+            log.exception("an engine step failed; its requests are ended with an error")
+            s = self.engine.scheduler
+            why = f"the engine failed on this request ({type(e).__name__}: {e})"
+            for r in list(s.running) + list(getattr(s, "prefilling", ())):
+                self._fail(r, why)
+
+    def _fail(self, r, why: str) -> None:
+        for t in self.tickets:
+            if r in t.samples:
+                t.error = why
+        if r.status != "finished":
+            self.failed += 1
+        try:
+            self.engine.abort(r)
+        except Exception:                     # its state is beyond repair: at least end it
+            log.exception("could not free request %d's blocks", r.req_id)
+            r.status = "finished"
+
+    def _run_jobs(self, jobs) -> bool:
         """Run the jobs posted since the last step; True if there were any."""
-        jobs, self.inbox = self.inbox, []
         for job, fut in jobs:
             try:
                 fut.set_result(job())
             except (MiniPagedError, ValueError, TypeError) as e:
                 fut.set_exception(e if isinstance(e, MiniPagedError) else RequestError(str(e)))
+            except Exception as e:            # a bug in a job: its caller answers 500
+                log.exception("a job of the engine loop failed")
+                fut.set_exception(e)
         return bool(jobs)
 
     def _deliver(self) -> None:
-        """Post every sample's new tokens (and its end) to the handler waiting on it."""
-        live = []
+        """Post every sample's new tokens (and its end) to the handler waiting on it; a request
+        whose samples have all been delivered leaves the engine."""
+        live, gone = [], []
         for t in self.tickets:
             for i, r in enumerate(t.samples):
                 if t.done[i]:
@@ -169,14 +215,22 @@ class EngineLoop:
                 reason = None
                 if r.status == "finished":
                     t.done[i] = True
-                    reason = "abort" if r.req_id in self.aborted_ids else \
-                        "length" if len(r.output) >= r.max_new_tokens else "stop"
+                    reason = "error" if t.error else "abort" if r.req_id in self.aborted_ids \
+                        else "length" if len(r.output) >= r.max_new_tokens else "stop"
                     self.aborted_ids.discard(r.req_id)
                 if new or reason:
-                    t.aio.call_soon_threadsafe(t.queue.put_nowait, (i, new, reason))
-            if not all(t.done):
-                live.append(t)
+                    try:
+                        t.aio.call_soon_threadsafe(t.queue.put_nowait, (i, new, reason))
+                    except RuntimeError:      # its event loop has closed (shutdown)
+                        pass
+            (gone if all(t.done) else live).append(t)
         self.tickets = live
+        self.engine.release([r for t in gone for r in t.samples])
+
+    def _published(self) -> None:
+        self.version += 1
+        self.counters = counters(self.engine, self)
+        self.trace.append((self.version, self.counters["used"], self.counters["cached_free"]))
 
     def _abort_all(self) -> None:
         for job, fut in self.inbox:
@@ -188,17 +242,27 @@ class EngineLoop:
                     self.engine.abort(r)
         self._deliver()
 
-    # -- what the metrics and the live page read ---------------------------------------------------
-    def snapshot(self) -> dict:
-        """The pool and the queues, consistent (taken between two steps)."""
-        with self.lock:
-            return pool_state(self.engine, self)
 
-
-def pool_state(engine, loop=None) -> dict:
-    """Layer 0's pool block by block (every layer holds the same tokens), the queues and the
-    counters: what `/metrics` prints and the live page draws."""
+def counters(engine, loop) -> dict:
+    """The figures `/metrics` prints: taken by the loop after each change, read at any time."""
     cache, s, st = engine.cache, engine.scheduler, engine.stats
+    prefix = getattr(cache.managers[0], "prefix", None)
+    return {
+        "version": loop.version, "step": engine.step_count, "num_blocks": cache.num_blocks,
+        "block_size": cache.block_size, "used": cache.num_used_blocks,
+        "cached_free": len(prefix) if prefix is not None else 0,
+        "running": len(s.running), "waiting": len(s.waiting) + len(engine.pending),
+        "swapped": len(s.swapped), "step_tokens": loop.last_step_tokens,
+        "preemptions": st.preemptions, "cached_tokens": st.cached_tokens,
+        "generated_tokens": st.generated_tokens, "steps": st.steps,
+        "refused": loop.refused, "aborted": loop.aborted, "failed": loop.failed,
+    }
+
+
+def pool_state(engine, loop) -> dict:
+    """`counters`, with layer 0's pool block by block (every layer holds the same tokens) and
+    the queues' req_ids: what the live page draws. Taken in the loop's thread."""
+    cache, s = engine.cache, engine.scheduler
     m = cache.managers[0]
     owner = [-1] * cache.num_blocks                  # -1 free, -2 cached free, else a req_id
     refs = getattr(m, "refs", None)
@@ -212,15 +276,7 @@ def pool_state(engine, loop=None) -> dict:
                 if owner[b] < 0:
                     owner[b] = r.req_id
     shared = [b for b in range(cache.num_blocks) if refs is not None and refs[b] > 1]
-    return {
-        "version": loop.version if loop else 0, "step": engine.step_count, "num_blocks": cache.num_blocks,
-        "block_size": cache.block_size, "owner": owner, "shared": shared,
-        "used": cache.num_used_blocks,
-        "cached_free": len(prefix) if prefix is not None else 0,
-        "running": [r.req_id for r in s.running], "waiting": [r.req_id for r in s.waiting]
-        + [r.req_id for r in engine.pending], "swapped": [r.req_id for r in s.swapped],
-        "step_tokens": loop.last_step_tokens if loop else 0,
-        "preemptions": st.preemptions, "cached_tokens": st.cached_tokens,
-        "generated_tokens": st.generated_tokens, "steps": st.steps,
-        "refused": loop.refused if loop else 0, "aborted": loop.aborted if loop else 0,
-    }
+    return {**counters(engine, loop), "owner": owner, "shared": shared,
+            "running": [r.req_id for r in s.running],
+            "waiting": [r.req_id for r in s.waiting] + [r.req_id for r in engine.pending],
+            "swapped": [r.req_id for r in s.swapped]}

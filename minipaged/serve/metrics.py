@@ -3,7 +3,7 @@ vLLM's server exposes translated to minipaged's."""
 
 from __future__ import annotations
 
-# name, type, help, the key of `pool_state` it reads
+# name, type, help, the key of the loop's `counters` it reads
 METRICS = [
     ("minipaged_kv_blocks_used", "gauge",
      "KV blocks per layer held by requests now (cached free blocks not counted)", "used"),
@@ -24,6 +24,8 @@ METRICS = [
      "requests answered 503 because the waiting queue was full", "refused"),
     ("minipaged_requests_aborted_total", "counter",
      "samples ended early: the client went away, or a stop string", "aborted"),
+    ("minipaged_requests_failed_total", "counter",
+     "samples ended by an engine step that failed (the server logged why)", "failed"),
 ]
 
 

@@ -30,6 +30,9 @@ def parse_json(raw: bytes) -> dict:
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON ({e}); send a JSON object",
                        code="invalid_json") from None
+    except RecursionError:
+        raise APIError("the request body nests too deeply to read; send a flatter JSON object",
+                       code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object", code="invalid_json")
     return body
@@ -95,15 +98,16 @@ def get_model(body, served: str) -> str:
     return v
 
 
-def sampling(body, max_tokens_default) -> dict:
-    """The fields every generation request shares, checked."""
+def sampling(body, max_tokens_default, max_n) -> dict:
+    """The fields every generation request shares, checked (`n` before anything is built for
+    it: at most `max_n`, the samples the engine runs at once)."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     return {
         "max_tokens": get_int({name: max_tokens}, name, max_tokens_default, low=1),
         "temperature": get_number(body, "temperature", 1.0, 0, 2),
         "top_p": get_number(body, "top_p", 1.0, 0, 1, low_open=True),
-        "n": get_int(body, "n", 1, low=1),
+        "n": get_int(body, "n", 1, low=1, high=max_n),
         "seed": get_int(body, "seed", None),
         "stop": get_stop(body),
         "stream": get_bool(body, "stream"),

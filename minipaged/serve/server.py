@@ -8,21 +8,23 @@ import time
 
 import torch
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..api import Engine
 from ..chat.options import model_path
 from ..formats import load_model, load_tokenizer
 from ..sizing import pool_blocks
-from .app import create_app
+from .app import MAX_BODY_BYTES, create_app
 from .loop import EngineLoop
 
 DEFAULT_CONTEXT = 4096      # tokens a request may hold, at most (or the model's, if shorter)
+HEADER_TIMEOUT = 10.0       # seconds a new connection has to send its first request's headers
 
 
 def build(model=None, dtype=torch.float32, block_size: int = 16, num_blocks=None,
           kv_budget=None, preemption: str = "recompute", max_num_seqs: int = 64,
           max_num_batched_tokens=None, prefix_caching: bool = True, max_model_len=None,
-          max_waiting: int = 64, record: bool = False):
+          max_waiting: int = 64, record: bool = False, max_body_bytes: int = MAX_BODY_BYTES):
     """The model, its engine in a loop, and the app; `model` as the chat's --model.
     `record=True` keeps the engine's `history` of steps, for the drawings of `minipaged.viz`."""
     path = model_path(model) if model else None
@@ -37,7 +39,27 @@ def build(model=None, dtype=torch.float32, block_size: int = 16, num_blocks=None
                     record=record)
     loop = EngineLoop(engine, max_waiting=max_waiting)
     name = model or "embedded"
-    return loop, create_app(loop, tokenizer, name), tokenizer, llama
+    return loop, create_app(loop, tokenizer, name, max_body_bytes), tokenizer, llama
+
+
+def protocol(header_timeout: float = HEADER_TIMEOUT):
+    """uvicorn's HTTP/1.1 protocol, with a deadline for a connection's first request: one that
+    sends nothing, or its headers a byte at a time, is closed after `header_timeout` seconds
+    (uvicorn times out idle connections only between two requests)."""
+    class Protocol(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self.loop.call_later(header_timeout, self.no_request_yet)
+
+        def no_request_yet(self):
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+    return Protocol
+
+
+def config(app, header_timeout: float = HEADER_TIMEOUT, **options) -> uvicorn.Config:
+    """uvicorn's settings for the server (`options`: host, port, timeout_graceful_shutdown)."""
+    return uvicorn.Config(app, http=protocol(header_timeout), log_level="warning", **options)
 
 
 class UvicornServer(uvicorn.Server):
@@ -62,14 +84,14 @@ class UvicornServer(uvicorn.Server):
 class Running:
     """A server running in a thread of this process (tests, the notebook, the benchmark)."""
 
-    def __init__(self, loop, app, tokenizer, model, host="127.0.0.1"):
+    def __init__(self, loop, app, tokenizer, model, host="127.0.0.1",
+                 header_timeout: float = HEADER_TIMEOUT):
         self.loop, self.app, self.tokenizer, self.model = loop, app, tokenizer, model
         self.sock = socket.socket()
         self.sock.bind((host, 0))                      # a free port, held from now on
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
-        self.server = UvicornServer(config)
+        self.server = UvicornServer(config(app, header_timeout, timeout_graceful_shutdown=2))
         loop.start()
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)
@@ -88,6 +110,6 @@ class Running:
         self.sock.close()
 
 
-def start(model=None, **options) -> Running:
+def start(model=None, header_timeout: float = HEADER_TIMEOUT, **options) -> Running:
     """Build a server (options: `build`'s) and run it on 127.0.0.1, on a free port."""
-    return Running(*build(model, **options))
+    return Running(*build(model, **options), header_timeout=header_timeout)
