@@ -13,7 +13,7 @@ from ..formats import PACKAGED_MODELS
 
 try:                                   # the serve extra: fastapi, uvicorn
     from .app import MAX_BODY_BYTES
-    from .server import UvicornServer, build, config
+    from .server import UvicornServer, build, config, listen
     MISSING = None
 except ImportError as e:
     MISSING = e.name
@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     if MISSING:
         raise UsageError(f"the server needs the serve extra ({MISSING} is missing): "
                          f"pip install -e '.[serve]'")
+    sock = listen(args.host, args.port)
     loop, app, _, _ = build(args.model, getattr(torch, args.dtype), args.block_size,
                             args.num_blocks, args.kv_budget, args.preemption, args.max_num_seqs,
                             args.max_num_batched_tokens, not args.no_prefix_caching,
@@ -62,14 +63,14 @@ def main(argv=None) -> int:
     e = loop.engine
     print(f"minipaged serving {args.model or 'embedded'}: {e.cache.num_blocks} blocks of "
           f"{e.cache.block_size} tokens, context {e.max_seq_len}; the pool live at "
-          f"http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
-    settings = config(app, host=args.host, port=args.port,
-                      timeout_graceful_shutdown=args.drain_seconds + 5)
+          f"http://{args.host}:{sock.getsockname()[1]}/", file=sys.stderr, flush=True)
+    settings = config(app, timeout_graceful_shutdown=args.drain_seconds + 5)
     loop.start()
     try:
-        UvicornServer(settings, loop, args.drain_seconds).run()
+        UvicornServer(settings, loop, args.drain_seconds).run(sockets=[sock])
     finally:
         loop.stop()
+        sock.close()
     print("minipaged serve: stopped", file=sys.stderr, flush=True)
     return 0
 

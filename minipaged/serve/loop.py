@@ -157,16 +157,17 @@ class EngineLoop:
                     self._abort_all()
                     return
                 jobs, self.inbox = self.inbox, []
-            changed = self._run_jobs(jobs)
-            if self.engine.has_unfinished():
-                changed = True
+            self._run_jobs(jobs)
+            stepped = self.engine.has_unfinished()
+            if stepped:
                 self._step()
             self._deliver()
-            if changed:
+            if stepped:
                 self._published()
 
     def _step(self) -> None:
-        """One engine step. If it raises, the requests it ran are failed, and only they."""
+        """One engine step. If it raises, the requests it ran are failed, and only they (all
+        that wait, if it raised before running any: else the loop would retry it forever)."""
         try:
             with torch.inference_mode():
                 self.engine.step()
@@ -175,7 +176,10 @@ class EngineLoop:
             log.exception("an engine step failed; its requests are ended with an error")
             s = self.engine.scheduler
             why = f"the engine failed on this request ({type(e).__name__}: {e})"
-            for r in list(s.running) + list(getattr(s, "prefilling", ())):
+            ran = list(s.running) + list(getattr(s, "prefilling", ()))
+            if not ran:                       # it failed before running any: all would wait on it
+                ran = list(self.engine.pending) + list(s.waiting) + list(s.swapped)
+            for r in ran:
                 self._fail(r, why)
 
     def _fail(self, r, why: str) -> None:
@@ -190,8 +194,9 @@ class EngineLoop:
             log.exception("could not free request %d's blocks", r.req_id)
             r.status = "finished"
 
-    def _run_jobs(self, jobs) -> bool:
-        """Run the jobs posted since the last step; True if there were any."""
+    def _run_jobs(self, jobs) -> None:
+        """Run the jobs posted since the last step, each one's change published as it is made
+        (so a picture of the pool taken by a job is the state of the last version)."""
         for job, fut in jobs:
             try:
                 fut.set_result(job())
@@ -200,7 +205,7 @@ class EngineLoop:
             except Exception as e:            # a bug in a job: its caller answers 500
                 log.exception("a job of the engine loop failed")
                 fut.set_exception(e)
-        return bool(jobs)
+            self._published()
 
     def _deliver(self) -> None:
         """Post every sample's new tokens (and its end) to the handler waiting on it; a request

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -12,6 +13,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..api import Engine
 from ..chat.options import model_path
+from ..errors import UsageError
 from ..formats import load_model, load_tokenizer
 from ..sizing import pool_blocks
 from .app import MAX_BODY_BYTES, create_app
@@ -40,6 +42,20 @@ def build(model=None, dtype=torch.float32, block_size: int = 16, num_blocks=None
     loop = EngineLoop(engine, max_waiting=max_waiting)
     name = model or "embedded"
     return loop, create_app(loop, tokenizer, name, max_body_bytes), tokenizer, llama
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port (port 0: a free one), or one clear UsageError: taken
+    before the model loads, so a second server on a port fails at once."""
+    try:
+        socket.getaddrinfo(host, port)
+        return socket.create_server((host, port))
+    except socket.gaierror as e:
+        raise UsageError(f"cannot listen on {host}: {e.strerror}; give --host an address of "
+                         f"this machine (127.0.0.1, 0.0.0.0)") from None
+    except OSError as e:
+        raise UsageError(f"cannot listen on {host}:{port} ({os.strerror(e.errno)}): is another "
+                         f"server running there? Choose another --port") from None
 
 
 def protocol(header_timeout: float = HEADER_TIMEOUT):
@@ -87,8 +103,7 @@ class Running:
     def __init__(self, loop, app, tokenizer, model, host="127.0.0.1",
                  header_timeout: float = HEADER_TIMEOUT):
         self.loop, self.app, self.tokenizer, self.model = loop, app, tokenizer, model
-        self.sock = socket.socket()
-        self.sock.bind((host, 0))                      # a free port, held from now on
+        self.sock = listen(host, 0)                    # a free port, held from now on
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
         self.server = UvicornServer(config(app, header_timeout, timeout_graceful_shutdown=2))
