@@ -1,0 +1,165 @@
+"""Stage 9: tensor parallelism. Two processes, each holding half of every layer's heads and
+their KV blocks, give one process's tokens; each rank's pool holds its own heads of the same
+blocks; a bad number of ranks is refused before any process starts; a rank that dies ends
+every other within seconds, with one error naming it, and leaves no process behind.
+
+Each test that starts ranks costs a few seconds (two fresh Python processes import torch)."""
+
+import glob
+import multiprocessing
+import os
+import signal
+import tempfile
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from minipaged import Engine, generate, load_model, load_tokenizer
+from minipaged.formats.gguf_checkpoint import packaged_model_path
+from minipaged.errors import TensorParallelError, UsageError
+from minipaged import tensor_parallel
+from minipaged.tensor_parallel import rank_state_dict, serve_ranks
+
+PROMPT = list(range(5, 45))                                 # a 40-token shared prefix
+
+
+def prompts(seed=4, lengths=(3, 14, 17)):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (k,), generator=gen).tolist() for k in lengths]
+
+
+def no_ranks_left():
+    """Every rank this process started has been reaped."""
+    return not [p for p in multiprocessing.active_children() if p.name.startswith("minipaged-rank")]
+
+
+def test_two_ranks_give_one_process_tokens():
+    """fp32, greedy, chunked prefill, prefix caching, n=2 samples sharing blocks, a pool too
+    small for every sequence (swap preemption): the tokens of one process, whatever the split."""
+    model = tiny_model(dtype=torch.float32)
+    ps = [PROMPT + p for p in prompts()]
+    options = dict(cache="paged", block_size=4, num_blocks=40, preemption="swap",
+                   max_num_batched_tokens=16, prefix_caching=True, n=2, stop_tokens=[])
+    one = generate(model, ps, 10, **options)
+    two = generate(model, ps, 10, tensor_parallel=2, **options)
+    assert two == one
+    assert no_ranks_left()
+
+
+def test_each_rank_holds_its_own_heads_of_the_same_blocks():
+    """Rank r's pool holds the one-process pool's KV heads of rank r, in the same block ids (the
+    ranks allocate in lockstep), through recompute preemptions; their tables and free blocks
+    are rank 0's in every layer."""
+    model = tiny_model(dtype=torch.float32)
+    ps = prompts(lengths=(9, 14, 17, 6))
+    options = dict(num_blocks=14, block_size=4, max_num_seqs=4)
+    one = Engine(model, **options)
+    for p in ps:
+        one.add_request(p, 16, stop_tokens=[])
+    one.run()
+    ranks = serve_ranks(model, ps, 16, world_size=2, **options)
+    assert ranks[0]["preemptions"] == one.stats.preemptions > 0
+    heads = [list(r["kv_heads"]) for r in ranks]
+    assert heads == [[0], [1]]                                      # 2 KV heads, one each
+    for r in ranks:
+        assert r["outputs"] == [q.output for q in one.requests]
+        for layer, (mine, full) in enumerate(zip(r["managers"], one.cache.managers)):
+            ref = ranks[0]["managers"][layer]
+            assert mine.k_cache_paged.shape[2] == 1                 # (blocks, slots, Hk / 2, D)
+            assert mine.free_blocks.ids() == ref.free_blocks.ids() == full.free_blocks.ids()
+            assert torch.equal(mine.block_table, ref.block_table)
+            assert torch.equal(mine.block_table, full.block_table)
+            for cache in ("k_cache_paged", "v_cache_paged"):
+                assert torch.allclose(getattr(mine, cache),
+                                      getattr(full, cache)[:, :, r["kv_heads"]], atol=1e-5)
+    assert no_ranks_left()
+
+
+def test_a_rank_gets_its_rows_and_columns():
+    """Rank r of 2 holds rows r*H/2.. of the column-split weights, columns of the row-split."""
+    model = tiny_model(dtype=torch.float32)
+    full = model.state_dict()
+    half = rank_state_dict(model, 1, 2)
+    wk, wo, w2 = (f"layers.0.{m}.weight" for m in ("attention.wk", "attention.wo",
+                                                   "feed_forward.w2"))
+    assert torch.equal(half[wk], full[wk][16:])                     # KV head 1 of 2: 16 dims
+    assert torch.equal(half[wo], full[wo][:, 32:])                  # query heads 2 and 3
+    assert torch.equal(half[w2], full[w2][:, model.args.hidden_dim // 2:])
+    assert torch.equal(half["tok_embeddings.weight"], full["tok_embeddings.weight"])
+
+
+@pytest.mark.parametrize("n, says", [(0, "positive integer"), (-2, "positive integer"),
+                                     (1.5, "positive integer"), (3, "cannot split"),
+                                     (4, "cannot split")])
+def test_a_bad_number_of_ranks_is_refused_before_any_process(n, says):
+    model = tiny_model(dtype=torch.float32)                         # 2 KV heads
+    with pytest.raises(UsageError, match=says) as e:
+        generate(model, prompts(), 4, cache="paged", tensor_parallel=n)
+    assert "\n" not in str(e.value)
+    assert no_ranks_left()
+
+
+def test_tensor_parallel_needs_the_paged_engine():
+    with pytest.raises(Exception, match="cache='paged'"):
+        generate(tiny_model(dtype=torch.float32), prompts(), 4, tensor_parallel=2)
+
+
+def signal_rank_1_once_serving(sig, after=1.0):
+    """In a thread: send `sig` to rank 1 `after` seconds after the ranks met (their rendezvous
+    file appeared); the moment it was sent goes in the returned list."""
+    sent = []
+
+    def watch():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if glob.glob(os.path.join(tempfile.gettempdir(), "minipaged-tp-*", "store")):
+                time.sleep(after)
+                for p in multiprocessing.active_children():
+                    if p.name == "minipaged-rank1" and p.pid:
+                        os.kill(p.pid, sig)
+                        sent.append(time.monotonic())
+                return
+            time.sleep(0.02)
+    threading.Thread(target=watch, daemon=True).start()
+    return sent
+
+
+LONG = dict(cache="paged", tensor_parallel=2, stop_tokens=[], max_seq_len=256)
+
+
+def test_a_dead_rank_ends_the_others_within_seconds():
+    """SIGKILL rank 1 while the ranks serve: the call ends with one error naming rank 1, long
+    before any collective's timeout (60 s), and no rank is left running."""
+    sent = signal_rank_1_once_serving(signal.SIGKILL)
+    with pytest.raises(TensorParallelError, match=r"rank 1 of 2 died \(killed by SIGKILL\)"):
+        generate(tiny_model(dtype=torch.float32), prompts(lengths=[100] * 4), 150, **LONG)
+    assert sent and time.monotonic() - sent[0] < 5.0
+    assert no_ranks_left()
+
+
+def test_a_silent_rank_ends_the_others_after_the_timeout(monkeypatch):
+    """SIGSTOP rank 1 (alive, answering nothing): rank 0's collective times out (3 s here), and
+    the call ends with one error naming rank 1; the stopped rank is killed, none is left."""
+    monkeypatch.setattr(tensor_parallel, "TIMEOUT", 3.0)
+    sent = signal_rank_1_once_serving(signal.SIGSTOP)
+    with pytest.raises(TensorParallelError, match=r"rank 1 of 2 stopped answering .* 3 s"):
+        generate(tiny_model(dtype=torch.float32), prompts(lengths=[100] * 4), 150, **LONG)
+    assert sent and time.monotonic() - sent[0] < 3.0 + 7.0
+    assert no_ranks_left()
+
+
+def test_smollm2_on_three_ranks():
+    """A real checkpoint: SmolLM2-135M's 3 KV heads, one per rank, give one process's tokens
+    (and 2 ranks, which cannot split 3 heads, are refused)."""
+    path = packaged_model_path("smollm2")
+    model, tok = load_model(path, dtype=torch.float32), load_tokenizer(path)
+    ps = [tok.encode("The capital of France is", bos=True, eos=False),
+          tok.encode("def add(a, b):", bos=True, eos=False)]
+    one = generate(model, ps, 8, cache="paged", stop_tokens=[])
+    assert generate(model, ps, 8, cache="paged", stop_tokens=[], tensor_parallel=3) == one
+    with pytest.raises(UsageError, match="3 KV heads .* choose one of 1, 3"):
+        generate(model, ps, 8, cache="paged", tensor_parallel=2)
+    assert no_ranks_left()
