@@ -9,6 +9,8 @@ import glob
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -19,10 +21,11 @@ import torch
 from conftest import tiny_model
 from minipaged import Engine, generate, load_model, load_tokenizer
 from minipaged.formats.gguf_checkpoint import packaged_model_path
-from minipaged.errors import TensorParallelError, UsageError
+from minipaged.errors import RequestError, TensorParallelError, UsageError
 from minipaged import tensor_parallel
-from minipaged.tensor_parallel import rank_state_dict, serve_ranks
+from minipaged.tensor_parallel import engine_digest, rank_state_dict, serve_ranks
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = list(range(5, 45))                                 # a 40-token shared prefix
 
 
@@ -163,3 +166,79 @@ def test_smollm2_on_three_ranks():
     with pytest.raises(UsageError, match="3 KV heads .* choose one of 1, 3"):
         generate(model, ps, 8, cache="paged", tensor_parallel=2)
     assert no_ranks_left()
+
+
+def test_the_agreement_check_sees_a_rank_that_went_its_own_way():
+    """The per-step digest is the same for two engines that did the same, and differs when the
+    tokens, a block table or the free blocks differ: what would stop diverging ranks."""
+    model = tiny_model(dtype=torch.float32)
+    a, b = (Engine(model, num_blocks=8, block_size=4) for _ in range(2))
+    for e in (a, b):
+        e.add_request(prompts()[1], 3, stop_tokens=[])
+        e.step()
+    assert engine_digest(a) == engine_digest(b)
+    b.requests[0].output[-1] += 1                                    # another token
+    assert engine_digest(a) != engine_digest(b)
+    b.requests[0].output[-1] -= 1
+    m = b.cache.managers[0]
+    m.block_table[0, 0], m.block_table[0, 1] = m.block_table[0, 1].item(), m.block_table[0, 0].item()
+    assert engine_digest(a) != engine_digest(b)                      # the same blocks, reordered
+    m.block_table[0, 0], m.block_table[0, 1] = m.block_table[0, 1].item(), m.block_table[0, 0].item()
+    assert engine_digest(a) == engine_digest(b)
+    m.free_blocks.put([99])                                          # one more free id
+    assert engine_digest(a) != engine_digest(b)
+
+
+def test_a_request_the_ranks_refuse_comes_back_as_the_engines_own_error():
+    """A prompt the pool could never hold: every rank refuses it alike, and the caller gets the
+    RequestError one process gives, with its sentence; no rank is left."""
+    model, long_prompt = tiny_model(dtype=torch.float32), prompts(lengths=[30])
+    with pytest.raises(RequestError) as one:
+        generate(model, long_prompt, 4, cache="paged", num_blocks=2, block_size=4)
+    with pytest.raises(RequestError) as two:
+        generate(model, long_prompt, 4, cache="paged", num_blocks=2, block_size=4,
+                 tensor_parallel=2)
+    assert str(two.value) == str(one.value)
+    assert no_ranks_left()
+
+
+CALLER = """
+import torch
+from conftest import tiny_model
+from minipaged import generate
+gen = torch.Generator().manual_seed(4)
+ps = [torch.randint(0, 512, (100,), generator=gen).tolist() for _ in range(64)]
+generate(tiny_model(dtype=torch.float32), ps, 150, cache="paged", tensor_parallel=2,
+         stop_tokens=[], max_seq_len=256)
+"""
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"      # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads Linux's /proc")
+def test_ranks_end_when_their_caller_is_killed():
+    """SIGKILL the process that called generate(tensor_parallel=2): its ranks (and whatever else
+    it started) end within seconds on their own."""
+    caller = subprocess.Popen([sys.executable, "-c", CALLER], cwd=os.path.dirname(__file__),
+                              env={**os.environ, "PYTHONPATH": ROOT}, stderr=subprocess.DEVNULL)
+    children, deadline = set(), time.monotonic() + 60
+    try:
+        while len(children) < 2 and time.monotonic() < deadline and caller.poll() is None:
+            with open(f"/proc/{caller.pid}/task/{caller.pid}/children") as f:
+                children = set(map(int, f.read().split()))
+            time.sleep(0.05)
+        time.sleep(1.0)
+    finally:
+        caller.kill()
+        caller.wait()
+    assert len(children) >= 2
+    end = time.monotonic() + 5
+    while time.monotonic() < end and any(alive(p) for p in children):
+        time.sleep(0.05)
+    assert not [p for p in children if alive(p)]
