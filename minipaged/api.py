@@ -23,7 +23,8 @@ from .generation import generate_static, row_generator
 from .kv_budget import bytes_per_block
 from .sizing import pool_blocks
 from .speculative import SpeculativeEngine
-from .tensor_parallel import LockstepEngine, check_world_size, load_shard, rank_state_dict, run_ranks
+from .ranks import run_ranks
+from .tensor_parallel import LockstepEngine, check_world_size, load_shard, rank_state_dict
 
 Engine = SpeculativeEngine   # the engine with every stage's options
 __all__ = ["Engine", "PAGED_OPTIONS", "beam_search", "generate"]

@@ -22,7 +22,7 @@ from conftest import tiny_model
 from minipaged import Engine, generate, load_model, load_tokenizer
 from minipaged.formats.gguf_checkpoint import packaged_model_path
 from minipaged.errors import RequestError, TensorParallelError, UsageError
-from minipaged import tensor_parallel
+from minipaged import ranks
 from minipaged.tensor_parallel import engine_digest, rank_state_dict, serve_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,26 +53,30 @@ def test_two_ranks_give_one_process_tokens():
 
 
 def test_each_rank_holds_its_own_heads_of_the_same_blocks():
-    """Rank r's pool holds the one-process pool's KV heads of rank r, in the same block ids (the
-    ranks allocate in lockstep), through recompute preemptions; their tables and free blocks
-    are rank 0's in every layer."""
+    """Mid-run, after recompute preemptions: rank r's pool holds the one-process pool's KV heads
+    of rank r, in the same block ids (the ranks allocate in lockstep); every rank's tables and
+    free blocks (in the order they will be drawn) are rank 0's and one process's, every layer."""
     model = tiny_model(dtype=torch.float32)
     ps = prompts(lengths=(9, 14, 17, 6))
     options = dict(num_blocks=14, block_size=4, max_num_seqs=4)
     one = Engine(model, **options)
     for p in ps:
         one.add_request(p, 16, stop_tokens=[])
-    one.run()
-    ranks = serve_ranks(model, ps, 16, world_size=2, **options)
-    assert ranks[0]["preemptions"] == one.stats.preemptions > 0
-    heads = [list(r["kv_heads"]) for r in ranks]
+    while not one.stats.preemptions:
+        one.step()
+    for _ in range(3):
+        one.step()
+    assert len(one.cache.managers[0].live_seq_ids()) >= 2
+    reports = serve_ranks(model, ps, 16, world_size=2, steps=one.step_count, **options)
+    assert reports[0]["preemptions"] == one.stats.preemptions > 0
+    heads = [list(r["kv_heads"]) for r in reports]
     assert heads == [[0], [1]]                                      # 2 KV heads, one each
-    for r in ranks:
+    for r in reports:
         assert r["outputs"] == [q.output for q in one.requests]
         for layer, (mine, full) in enumerate(zip(r["managers"], one.cache.managers)):
-            ref = ranks[0]["managers"][layer]
+            ref = reports[0]["managers"][layer]
             assert mine.k_cache_paged.shape[2] == 1                 # (blocks, slots, Hk / 2, D)
-            assert mine.free_blocks.ids() == ref.free_blocks.ids() == full.free_blocks.ids()
+            assert mine.free_blocks._ids == ref.free_blocks._ids == full.free_blocks._ids
             assert torch.equal(mine.block_table, ref.block_table)
             assert torch.equal(mine.block_table, full.block_table)
             for cache in ("k_cache_paged", "v_cache_paged"):
@@ -146,7 +150,7 @@ def test_a_dead_rank_ends_the_others_within_seconds():
 def test_a_silent_rank_ends_the_others_after_the_timeout(monkeypatch):
     """SIGSTOP rank 1 (alive, answering nothing): rank 0's collective times out (3 s here), and
     the call ends with one error naming rank 1; the stopped rank is killed, none is left."""
-    monkeypatch.setattr(tensor_parallel, "TIMEOUT", 3.0)
+    monkeypatch.setattr(ranks, "TIMEOUT", 3.0)
     sent = signal_rank_1_once_serving(signal.SIGSTOP)
     with pytest.raises(TensorParallelError, match=r"rank 1 of 2 stopped answering .* 3 s"):
         generate(tiny_model(dtype=torch.float32), prompts(lengths=[100] * 4), 150, **LONG)

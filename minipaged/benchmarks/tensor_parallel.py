@@ -26,8 +26,9 @@ from .. import cli
 from ..formats import load_model, packaged_model_path
 from ..kv_budget import bytes_per_block
 from ..sizing import pool_blocks
+from ..ranks import run_ranks
 from ..tensor_parallel import (LockstepEngine, check_agreement, check_world_size, load_shard,
-                               rank_state_dict, run_ranks)
+                               rank_state_dict)
 
 
 def _timed(fn, repeats: int) -> float:
