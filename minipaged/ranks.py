@@ -64,8 +64,9 @@ def _rank_main(rank, world_size, backend, store, timeout, threads, parent, fn, a
         results.put(("ok", rank, pickle.dumps(value)))   # a copy: the rank exits after this
     except MiniPagedError as e:          # the request or the model refused: the same on every rank
         results.put(("refused", rank, type(e).__name__, str(e)))
-    except Exception as e:               # noqa: BLE001 — reported to the caller, named by rank
-        results.put(("failed", rank, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
+    except BaseException as e:           # noqa: BLE001 — reported to the caller, named by rank
+        first = (str(e).splitlines() or [""])[0][:300]
+        results.put(("failed", rank, f"{type(e).__name__}: {first}"))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -161,7 +162,7 @@ def _blame(procs, reports, timeout) -> MiniPagedError:
             how = (f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0
                    else f"exited with status {p.exitcode}")
             return TensorParallelError(f"tensor parallel: rank {r} of {n} died ({how}); the "
-                                       f"other ranks were stopped")
+                                       f"other ranks were stopped (timeout {timeout:g} s)")
     for kind, *rest in reports.values():
         if kind == "refused":
             cls = next((c for c in _errors() if c.__name__ == rest[0]), MiniPagedError)
@@ -172,9 +173,10 @@ def _blame(procs, reports, timeout) -> MiniPagedError:
         return TensorParallelError(f"tensor parallel: rank {silent[0]} of {n} stopped answering "
                                    f"(the others waited {timeout:g} s); every rank was stopped")
     if failed:
-        return TensorParallelError(f"tensor parallel: rank {failed[0][0]} of {n} failed: "
-                                   f"{failed[0][1]}")
-    return TensorParallelError(f"tensor parallel: a rank of {n} ended without a result")
+        return TensorParallelError(f"tensor parallel: rank {failed[0][0]} of {n} failed "
+                                   f"(timeout {timeout:g} s): {failed[0][1]}")
+    return TensorParallelError(f"tensor parallel: a rank of {n} ended without a result "
+                               f"(timeout {timeout:g} s)")
 
 
 def _errors():

@@ -23,6 +23,8 @@ from minipaged import Engine, generate, load_model, load_tokenizer
 from minipaged.formats.gguf_checkpoint import packaged_model_path
 from minipaged.errors import RequestError, TensorParallelError, UsageError
 from minipaged import ranks
+from minipaged.ranks import run_ranks
+from minipaged.benchmarks import tensor_parallel as tp_benchmark
 from minipaged.tensor_parallel import engine_digest, rank_state_dict, serve_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -246,3 +248,29 @@ def test_ranks_end_when_their_caller_is_killed():
     while time.monotonic() < end and any(alive(p) for p in children):
         time.sleep(0.05)
     assert not [p for p in children if alive(p)]
+
+
+def fail_on_rank_1(rank, world_size, device):
+    """Run on the ranks by the next test: rank 1 raises, rank 0 waits for it in a barrier."""
+    if rank == 1:
+        raise ValueError("a bug on rank 1")
+    torch.distributed.barrier()
+    return rank
+
+
+def test_a_rank_that_raises_is_named_and_the_others_do_not_wait():
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 of 2 failed .*ValueError: a bug on"):
+        run_ranks(fail_on_rank_1, 2)
+    assert time.monotonic() - start < 30 and no_ranks_left()
+    assert run_ranks(fail_on_rank_1, 1) == [0]                        # one rank: no rank 1
+
+
+@pytest.mark.parametrize("argv, says", [(["--ranks", "3"], "cannot split"),
+                                        (["--ranks", "0"], "--ranks"),
+                                        (["--model", "nope"], "--model")])
+def test_the_benchmark_refuses_bad_input_before_any_process(argv, says, capsys):
+    assert tp_benchmark.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says in err and err.count("\n") == 1
+    assert no_ranks_left()
