@@ -160,6 +160,38 @@ def check_agreement(engine) -> None:
                                       f"tokens after step {engine.step_count - 1}")
 
 
+# -- the other design: one scheduler that sends each step's changes -----------------------------
+def block_tables(manager) -> dict:
+    """A layer's block tables as {seq_id: [block ids]}, for the sequences that hold blocks."""
+    return {s: manager.blocks_of(s) for s in manager.live_seq_ids()}
+
+
+def step_changes(before: dict, after: dict) -> dict:
+    """What a central scheduler sends its workers after a step, as vLLM's `SchedulerOutput` does
+    in spirit: the block ids appended to each table that only grew, the whole table of each one
+    that is new or changed otherwise (resumed, a block copied on write, rolled back), and the
+    sequences whose blocks all went back."""
+    appended, replaced = {}, {}
+    for s, blocks in after.items():
+        old = before.get(s)
+        if old is not None and blocks[:len(old)] == old:
+            if len(blocks) > len(old):
+                appended[s] = blocks[len(old):]
+        else:
+            replaced[s] = blocks
+    return {"appended": appended, "replaced": replaced,
+            "freed": sorted(set(before) - set(after))}
+
+
+def apply_changes(tables: dict, changes: dict) -> dict:
+    """A worker's side: its copy of the tables, after one step's `step_changes`."""
+    out = {s: list(b) for s, b in tables.items() if s not in changes["freed"]}
+    for s, ids in changes["appended"].items():
+        out[s] += ids
+    out.update({s: list(b) for s, b in changes["replaced"].items()})
+    return out
+
+
 def serve_ranks(model, prompts, max_new_tokens: int, world_size: int, steps: int | None = None,
                 **engine_options) -> list[dict]:
     """Serve greedy `prompts` on `world_size` ranks for `steps` steps (None: until done) and

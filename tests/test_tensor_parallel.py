@@ -8,6 +8,7 @@ Each test that starts ranks costs a few seconds (two fresh Python processes impo
 import glob
 import multiprocessing
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -18,14 +19,15 @@ import time
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import FakeModel, tiny_model
 from minipaged import Engine, generate, load_model, load_tokenizer
 from minipaged.formats.gguf_checkpoint import packaged_model_path
 from minipaged.errors import RequestError, TensorParallelError, UsageError
 from minipaged import ranks
 from minipaged.ranks import run_ranks
 from minipaged.benchmarks import tensor_parallel as tp_benchmark
-from minipaged.tensor_parallel import engine_digest, rank_state_dict, serve_ranks
+from minipaged.tensor_parallel import (apply_changes, block_tables, engine_digest,
+                                       rank_state_dict, serve_ranks, step_changes)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = list(range(5, 45))                                 # a 40-token shared prefix
@@ -210,7 +212,7 @@ def test_a_request_the_ranks_refuse_comes_back_as_the_engines_own_error():
 
 CALLER = """
 import torch
-from conftest import tiny_model
+from conftest import FakeModel, tiny_model
 from minipaged import generate
 gen = torch.Generator().manual_seed(4)
 ps = [torch.randint(0, 512, (100,), generator=gen).tolist() for _ in range(64)]
@@ -274,3 +276,52 @@ def test_the_benchmark_refuses_bad_input_before_any_process(argv, says, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and says in err and err.count("\n") == 1
     assert no_ranks_left()
+
+
+class RandomDrafts(Engine):
+    """Drafts of random length, a random prefix of them accepted: rollbacks of every size."""
+    rng: random.Random = None
+
+    def propose(self, req):
+        room = min(self.num_speculative_tokens, req.max_new_tokens - len(req.output) - 1)
+        return [self.rng.randrange(4) for _ in range(self.rng.randint(0, max(0, room)))]
+
+    def accept(self, r, drafts, logits):
+        return drafts[:self.rng.randint(0, len(drafts))] + [self.rng.randrange(4)]
+
+
+def test_a_worker_that_applies_each_steps_changes_holds_the_schedulers_tables():
+    """The other design, vLLM's: one scheduler sends each step's table changes. Over many random
+    steps (preemption by recompute and swap, token budgets, prefix caching, n=2, speculation
+    with random rollbacks), a worker's copy of every layer's tables, updated only by
+    `step_changes`, is the scheduler's after every step; every kind of change occurs, and the
+    messages carry fewer block ids than the tables."""
+    kinds, sent, whole = {"appended": 0, "replaced": 0, "freed": 0}, 0, 0
+    for seed in range(12):
+        rng = random.Random(seed)
+        RandomDrafts.rng = rng
+        engine = RandomDrafts(FakeModel(seed, vocab=4), 18, 3, rng.choice(["recompute", "swap"]),
+                              max_num_batched_tokens=rng.choice([None, 4, 9]), max_num_seqs=4,
+                              prefix_caching=rng.random() < 0.5, speculative="ngram",
+                              num_speculative_tokens=rng.randint(1, 4), num_cpu_blocks=18)
+        worker = [block_tables(m) for m in engine.cache.managers]
+        for step in range(40):
+            if len(engine.requests) < 10 and rng.random() < 0.4:
+                engine.add_request([rng.randrange(4) for _ in range(rng.randint(1, 10))],
+                                   rng.randint(1, 12), stop_tokens=[], n=rng.choice([1, 1, 2]))
+            if not engine.has_unfinished():
+                continue
+            before = [block_tables(m) for m in engine.cache.managers]
+            engine.step()
+            for layer, m in enumerate(engine.cache.managers):
+                after = block_tables(m)
+                changes = step_changes(before[layer], after)
+                worker[layer] = apply_changes(worker[layer], changes)
+                assert worker[layer] == after, (seed, step, layer)
+                for k in kinds:
+                    kinds[k] += bool(changes[k])
+                sent += sum(map(len, changes["appended"].values())) + \
+                    sum(map(len, changes["replaced"].values()))
+                whole += sum(map(len, after.values()))
+    assert all(kinds.values()), kinds
+    assert sent < whole / 2
