@@ -44,13 +44,21 @@ def no_ranks_left():
 
 
 def test_two_ranks_give_one_process_tokens():
-    """fp32, greedy, chunked prefill, prefix caching, n=2 samples sharing blocks, a pool too
-    small for every sequence (swap preemption): the tokens of one process, whatever the split."""
+    """fp32, greedy, chunked prefill, prefix caching, n=2 samples sharing blocks, n-gram
+    speculation, a pool too small for every sequence (swap preemption): the tokens of one
+    process, whatever the split."""
     model = tiny_model(dtype=torch.float32)
     ps = [PROMPT + p for p in prompts()]
-    options = dict(cache="paged", block_size=4, num_blocks=40, preemption="swap",
-                   max_num_batched_tokens=16, prefix_caching=True, n=2, stop_tokens=[])
+    engine = dict(block_size=4, num_blocks=24, preemption="swap", max_num_batched_tokens=16,
+                  prefix_caching=True, speculative="ngram", num_speculative_tokens=3)
+    probe = Engine(model, max_num_seqs=6, num_cpu_blocks=24, **engine)     # what the run meets
+    for p in ps:
+        probe.add_request(p, 10, stop_tokens=[], n=2)
+    probe.run()
+    assert probe.stats.preemptions and probe.stats.cached_tokens and probe.spec.draft_tokens
+    options = dict(cache="paged", n=2, stop_tokens=[], **engine)
     one = generate(model, ps, 10, **options)
+    assert one == [[r.output for r in probe.requests[2 * i:2 * i + 2]] for i in range(3)]
     two = generate(model, ps, 10, tensor_parallel=2, **options)
     assert two == one
     assert no_ranks_left()
