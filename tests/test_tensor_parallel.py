@@ -150,8 +150,9 @@ LONG = dict(cache="paged", tensor_parallel=2, stop_tokens=[], max_seq_len=256)
 
 
 def test_a_dead_rank_ends_the_others_within_seconds():
-    """SIGKILL rank 1 while the ranks serve: the call ends with one error naming rank 1, long
-    before any collective's timeout (60 s), and no rank is left running."""
+    """SIGKILL rank 1 a second after the ranks met (loading or serving: any moment must do):
+    the call ends with one error naming rank 1, long before any collective's timeout (60 s),
+    and no rank is left running."""
     sent = signal_rank_1_once_serving(signal.SIGKILL)
     with pytest.raises(TensorParallelError, match=r"rank 1 of 2 died \(killed by SIGKILL\)"):
         generate(tiny_model(dtype=torch.float32), prompts(lengths=[100] * 4), 150, **LONG)
