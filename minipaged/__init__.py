@@ -15,6 +15,7 @@ Read the stages in order, each module beside its lesson (`lessons/`) and noteboo
     6b  beams.py                                   beam search: beams fork and free shared blocks
     7   speculative.py                             speculative decoding: drafts, one verify pass, rollback
     8   serve/ (a subpackage)                      an OpenAI-compatible server, the pool live in a browser
+    9   tensor_parallel.py                         the heads and their KV blocks split over N processes
 
 Around them: `formats/` (checkpoints and tokenizers), `embedded/` (the shipped model's corpus and
 trainer), `chat/` (`python -m minipaged.chat`), `viz/` (the drawings), `benchmarks/`, `fast/`

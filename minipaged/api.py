@@ -23,6 +23,8 @@ from .generation import generate_static, row_generator
 from .kv_budget import bytes_per_block
 from .sizing import pool_blocks
 from .speculative import SpeculativeEngine
+from .ranks import run_ranks
+from .tensor_parallel import LockstepEngine, check_world_size, load_shard, rank_state_dict
 
 Engine = SpeculativeEngine   # the engine with every stage's options
 __all__ = ["Engine", "PAGED_OPTIONS", "beam_search", "generate"]
@@ -34,7 +36,8 @@ PAGED_OPTIONS = ("block_size", "num_blocks", "kv_budget", "preemption", "num_cpu
 @torch.inference_mode()
 def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: float = 0.0,
              top_p: float = 1.0, stop_tokens=None, seed: int = 0, max_seq_len: int | None = None,
-             callback=None, n: int = 1, engine_class=None, **paged_options):
+             callback=None, n: int = 1, engine_class=None, tensor_parallel: int = 1,
+             **paged_options):
     """Continue each prompt (a list of token ids); return only the new tokens, in prompt order.
 
     max_new_tokens: one int, or one per prompt. temperature=0 is greedy; sampling is seeded, and
@@ -57,6 +60,9 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
 
     engine_class: the engine cache="paged" runs on (default `Engine`; the speed layer's
     `minipaged.fast.FastEngine` runs the same steps faster).
+
+    tensor_parallel=N (stage 9) serves cache="paged" on N processes, each holding 1/N of every
+    layer's heads and of their KV blocks (a kv_budget is then each process's); the same tokens.
     """
     if not whole(n) or n < 1:
         raise RequestError(f"n (samples per prompt) must be a positive integer, not {n!r}")
@@ -67,7 +73,11 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
     check_arguments(model, prompts, max_new_tokens, cache, temperature, top_p, stop_tokens, seed,
                     callback, n)
     num_prompts = len(prompts) if isinstance(prompts, (list, tuple)) else 0
-    if cache == "paged":
+    if tensor_parallel != 1:
+        out = _serve_parallel(tensor_parallel, model, cache, engine_class, prompts,
+                              max_new_tokens, temperature, top_p, stop_tokens, seed, max_seq_len,
+                              callback, n, paged_options)
+    elif cache == "paged":
         out = _serve(engine_class or Engine, model, prompts, max_new_tokens, temperature, top_p,
                      stop_tokens, seed, max_seq_len, callback, n, **paged_options)
     elif cache == "contiguous" or not isinstance(cache, str):
@@ -106,6 +116,28 @@ def check_arguments(model, prompts, max_new_tokens, cache, temperature, top_p, s
     a, p = model.args, next(model.parameters())
     check_memory(tokens * bytes_per_block(1, a.n_kv_heads, a.head_dim, p.dtype, a.n_layers),
                  p.device, f"n={n} samples of {len(prompts)} prompt(s)")
+
+
+def _serve_parallel(world_size, model, cache, engine_class, *request) -> list:
+    """tensor_parallel=N: refused before any process starts unless it can run (the paged cache,
+    the stages' engine, no callback across processes, N splitting the heads); then rank r of N
+    serves the prompts on its shard of the model (`_serve_rank`) and rank 0's tokens come back."""
+    check_world_size(model.args, world_size)
+    if cache != "paged" or engine_class is not None or request[-3] is not None:
+        raise RequestError("tensor_parallel runs on cache='paged', with the stages' own engine "
+                           "(no engine_class) and no callback (a callback cannot reach into the "
+                           "other processes)")
+    states = [rank_state_dict(model, r, world_size) for r in range(world_size)]
+    device = next(model.parameters()).device
+    outs = run_ranks(_serve_rank, world_size, (model.args, states, request), device=device)
+    return outs[0]
+
+
+def _serve_rank(rank, world_size, device, args, states, request) -> list:
+    """One rank of tensor_parallel=N: its shard of the model, the engine every rank runs."""
+    shard = load_shard(args, rank, world_size, states[rank], device)
+    *serve_args, options = request
+    return _serve(LockstepEngine, shard, *serve_args, **options)
 
 
 def _serve(engine_class, model, prompts, max_new_tokens, temperature, top_p, stop_tokens, seed, max_seq_len,

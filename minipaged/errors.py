@@ -44,3 +44,8 @@ class OutputError(MiniPagedError, OSError):
 
 class PeerError(MiniPagedError):
     """An engine a benchmark compares against (vLLM, llama.cpp) could not start or answer."""
+
+
+class TensorParallelError(MiniPagedError):
+    """A rank of a tensor-parallel run (stage 9) failed, died or went silent; every other rank
+    was stopped. The message names the rank."""

@@ -7,6 +7,7 @@
     python -m minipaged.benchmarks.chunked_latency stage 5b: chats beside long prompts, by budget
     python -m minipaged.benchmarks.sharing_savings stage 6: memory and prefill that sharing saves
     python -m minipaged.benchmarks.beam_savings    stage 6b: beam search's blocks, shared or not
+    python -m minipaged.benchmarks.tensor_parallel stage 9: tokens/s and KV per rank at N ranks
     python -m minipaged.benchmarks.smollm2         a real model: minipaged beside transformers
     python -m minipaged.benchmarks.serving_peers   serving beside vLLM's CPU build and llama.cpp
 

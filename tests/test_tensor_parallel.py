@@ -1,0 +1,336 @@
+"""Stage 9: tensor parallelism. Two processes, each holding half of every layer's heads and
+their KV blocks, give one process's tokens; each rank's pool holds its own heads of the same
+blocks; a bad number of ranks is refused before any process starts; a rank that dies ends
+every other within seconds, with one error naming it, and leaves no process behind.
+
+Each test that starts ranks costs a few seconds (two fresh Python processes import torch)."""
+
+import glob
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import FakeModel, tiny_model
+from minipaged import Engine, generate, load_model, load_tokenizer
+from minipaged.formats.gguf_checkpoint import packaged_model_path
+from minipaged.errors import RequestError, TensorParallelError, UsageError
+from minipaged import ranks
+from minipaged.ranks import run_ranks
+from minipaged.benchmarks import tensor_parallel as tp_benchmark
+from minipaged.tensor_parallel import (apply_changes, block_tables, engine_digest,
+                                       rank_state_dict, serve_ranks, step_changes)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = list(range(5, 45))                                 # a 40-token shared prefix
+
+
+def prompts(seed=4, lengths=(3, 14, 17)):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (k,), generator=gen).tolist() for k in lengths]
+
+
+def no_ranks_left():
+    """Every rank this process started has been reaped."""
+    return not [p for p in multiprocessing.active_children() if p.name.startswith("minipaged-rank")]
+
+
+def test_two_ranks_give_one_process_tokens():
+    """fp32, greedy, chunked prefill, prefix caching, n=2 samples sharing blocks, n-gram
+    speculation, a pool too small for every sequence (swap preemption): the tokens of one
+    process, whatever the split."""
+    model = tiny_model(dtype=torch.float32)
+    ps = [PROMPT + p for p in prompts()]
+    engine = dict(block_size=4, num_blocks=24, preemption="swap", max_num_batched_tokens=16,
+                  prefix_caching=True, speculative="ngram", num_speculative_tokens=3)
+    probe = Engine(model, max_num_seqs=6, num_cpu_blocks=24, **engine)     # what the run meets
+    for p in ps:
+        probe.add_request(p, 10, stop_tokens=[], n=2)
+    probe.run()
+    assert probe.stats.preemptions and probe.stats.cached_tokens and probe.spec.draft_tokens
+    options = dict(cache="paged", n=2, stop_tokens=[], **engine)
+    one = generate(model, ps, 10, **options)
+    assert one == [[r.output for r in probe.requests[2 * i:2 * i + 2]] for i in range(3)]
+    two = generate(model, ps, 10, tensor_parallel=2, **options)
+    assert two == one
+    assert no_ranks_left()
+
+
+def test_each_rank_holds_its_own_heads_of_the_same_blocks():
+    """Mid-run, after recompute preemptions: rank r's pool holds the one-process pool's KV heads
+    of rank r, in the same block ids (the ranks allocate in lockstep); every rank's tables and
+    free blocks (in the order they will be drawn) are rank 0's and one process's, every layer."""
+    model = tiny_model(dtype=torch.float32)
+    ps = prompts(lengths=(9, 14, 17, 6))
+    options = dict(num_blocks=14, block_size=4, max_num_seqs=4)
+    one = Engine(model, **options)
+    for p in ps:
+        one.add_request(p, 16, stop_tokens=[])
+    while not one.stats.preemptions:
+        one.step()
+    for _ in range(3):
+        one.step()
+    assert len(one.cache.managers[0].live_seq_ids()) >= 2
+    reports = serve_ranks(model, ps, 16, world_size=2, steps=one.step_count, **options)
+    assert reports[0]["preemptions"] == one.stats.preemptions > 0
+    heads = [list(r["kv_heads"]) for r in reports]
+    assert heads == [[0], [1]]                                      # 2 KV heads, one each
+    for r in reports:
+        assert r["outputs"] == [q.output for q in one.requests]
+        for layer, (mine, full) in enumerate(zip(r["managers"], one.cache.managers)):
+            ref = reports[0]["managers"][layer]
+            assert mine.k_cache_paged.shape[2] == 1                 # (blocks, slots, Hk / 2, D)
+            assert mine.free_blocks._ids == ref.free_blocks._ids == full.free_blocks._ids
+            assert torch.equal(mine.block_table, ref.block_table)
+            assert torch.equal(mine.block_table, full.block_table)
+            for cache in ("k_cache_paged", "v_cache_paged"):
+                assert torch.allclose(getattr(mine, cache),
+                                      getattr(full, cache)[:, :, r["kv_heads"]], atol=1e-5)
+    assert no_ranks_left()
+
+
+def test_a_rank_gets_its_rows_and_columns():
+    """Rank r of 2 holds rows r*H/2.. of the column-split weights, columns of the row-split."""
+    model = tiny_model(dtype=torch.float32)
+    full = model.state_dict()
+    half = rank_state_dict(model, 1, 2)
+    wk, wo, w2 = (f"layers.0.{m}.weight" for m in ("attention.wk", "attention.wo",
+                                                   "feed_forward.w2"))
+    assert torch.equal(half[wk], full[wk][16:])                     # KV head 1 of 2: 16 dims
+    assert torch.equal(half[wo], full[wo][:, 32:])                  # query heads 2 and 3
+    assert torch.equal(half[w2], full[w2][:, model.args.hidden_dim // 2:])
+    assert torch.equal(half["tok_embeddings.weight"], full["tok_embeddings.weight"])
+
+
+@pytest.mark.parametrize("n, says", [(0, "positive integer"), (-2, "positive integer"),
+                                     (1.5, "positive integer"), (3, "cannot split"),
+                                     (4, "cannot split")])
+def test_a_bad_number_of_ranks_is_refused_before_any_process(n, says):
+    model = tiny_model(dtype=torch.float32)                         # 2 KV heads
+    with pytest.raises(UsageError, match=says) as e:
+        generate(model, prompts(), 4, cache="paged", tensor_parallel=n)
+    assert "\n" not in str(e.value)
+    assert no_ranks_left()
+
+
+def test_tensor_parallel_needs_the_paged_engine():
+    with pytest.raises(Exception, match="cache='paged'"):
+        generate(tiny_model(dtype=torch.float32), prompts(), 4, tensor_parallel=2)
+
+
+def signal_rank_1_once_serving(sig, after=1.0):
+    """In a thread: send `sig` to rank 1 `after` seconds after the ranks met (their rendezvous
+    file appeared); the moment it was sent goes in the returned list."""
+    sent = []
+
+    def watch():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if glob.glob(os.path.join(tempfile.gettempdir(), "minipaged-tp-*", "store")):
+                time.sleep(after)
+                for p in multiprocessing.active_children():
+                    if p.name == "minipaged-rank1" and p.pid:
+                        os.kill(p.pid, sig)
+                        sent.append(time.monotonic())
+                return
+            time.sleep(0.02)
+    threading.Thread(target=watch, daemon=True).start()
+    return sent
+
+
+LONG = dict(cache="paged", tensor_parallel=2, stop_tokens=[], max_seq_len=256)
+
+
+def test_a_dead_rank_ends_the_others_within_seconds():
+    """SIGKILL rank 1 a second after the ranks met (loading or serving: any moment must do):
+    the call ends with one error naming rank 1, long before any collective's timeout (60 s),
+    and no rank is left running."""
+    sent = signal_rank_1_once_serving(signal.SIGKILL)
+    with pytest.raises(TensorParallelError, match=r"rank 1 of 2 died \(killed by SIGKILL\)"):
+        generate(tiny_model(dtype=torch.float32), prompts(lengths=[100] * 4), 150, **LONG)
+    assert sent and time.monotonic() - sent[0] < 5.0
+    assert no_ranks_left()
+
+
+def test_a_silent_rank_ends_the_others_after_the_timeout(monkeypatch):
+    """SIGSTOP rank 1 (alive, answering nothing): rank 0's collective times out (3 s here), and
+    the call ends with one error naming rank 1; the stopped rank is killed, none is left."""
+    monkeypatch.setattr(ranks, "TIMEOUT", 3.0)
+    sent = signal_rank_1_once_serving(signal.SIGSTOP)
+    with pytest.raises(TensorParallelError, match=r"rank 1 of 2 stopped answering .* 3 s"):
+        generate(tiny_model(dtype=torch.float32), prompts(lengths=[100] * 4), 150, **LONG)
+    assert sent and time.monotonic() - sent[0] < 3.0 + 7.0
+    assert no_ranks_left()
+
+
+def test_smollm2_on_three_ranks():
+    """A real checkpoint: SmolLM2-135M's 3 KV heads, one per rank, give one process's tokens
+    (and 2 ranks, which cannot split 3 heads, are refused)."""
+    path = packaged_model_path("smollm2")
+    model, tok = load_model(path, dtype=torch.float32), load_tokenizer(path)
+    ps = [tok.encode("The capital of France is", bos=True, eos=False),
+          tok.encode("def add(a, b):", bos=True, eos=False)]
+    one = generate(model, ps, 8, cache="paged", stop_tokens=[])
+    assert generate(model, ps, 8, cache="paged", stop_tokens=[], tensor_parallel=3) == one
+    with pytest.raises(UsageError, match="3 KV heads .* choose one of 1, 3"):
+        generate(model, ps, 8, cache="paged", tensor_parallel=2)
+    assert no_ranks_left()
+
+
+def test_the_agreement_check_sees_a_rank_that_went_its_own_way():
+    """The per-step digest is the same for two engines that did the same, and differs when the
+    tokens, a block table or the free blocks differ: what would stop diverging ranks."""
+    model = tiny_model(dtype=torch.float32)
+    a, b = (Engine(model, num_blocks=8, block_size=4) for _ in range(2))
+    for e in (a, b):
+        e.add_request(prompts()[1], 3, stop_tokens=[])
+        e.step()
+    assert engine_digest(a) == engine_digest(b)
+    b.requests[0].output[-1] += 1                                    # another token
+    assert engine_digest(a) != engine_digest(b)
+    b.requests[0].output[-1] -= 1
+    m = b.cache.managers[0]
+    m.block_table[0, 0], m.block_table[0, 1] = m.block_table[0, 1].item(), m.block_table[0, 0].item()
+    assert engine_digest(a) != engine_digest(b)                      # the same blocks, reordered
+    m.block_table[0, 0], m.block_table[0, 1] = m.block_table[0, 1].item(), m.block_table[0, 0].item()
+    assert engine_digest(a) == engine_digest(b)
+    m.free_blocks.put([99])                                          # one more free id
+    assert engine_digest(a) != engine_digest(b)
+
+
+def test_a_request_the_ranks_refuse_comes_back_as_the_engines_own_error():
+    """A prompt the pool could never hold: every rank refuses it alike, and the caller gets the
+    RequestError one process gives, with its sentence; no rank is left."""
+    model, long_prompt = tiny_model(dtype=torch.float32), prompts(lengths=[30])
+    with pytest.raises(RequestError) as one:
+        generate(model, long_prompt, 4, cache="paged", num_blocks=2, block_size=4)
+    with pytest.raises(RequestError) as two:
+        generate(model, long_prompt, 4, cache="paged", num_blocks=2, block_size=4,
+                 tensor_parallel=2)
+    assert str(two.value) == str(one.value)
+    assert no_ranks_left()
+
+
+CALLER = """
+import torch
+from conftest import FakeModel, tiny_model
+from minipaged import generate
+gen = torch.Generator().manual_seed(4)
+ps = [torch.randint(0, 512, (100,), generator=gen).tolist() for _ in range(64)]
+generate(tiny_model(dtype=torch.float32), ps, 150, cache="paged", tensor_parallel=2,
+         stop_tokens=[], max_seq_len=256)
+"""
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"      # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads Linux's /proc")
+def test_ranks_end_when_their_caller_is_killed():
+    """SIGKILL the process that called generate(tensor_parallel=2): its ranks (and whatever else
+    it started) end within seconds on their own."""
+    caller = subprocess.Popen([sys.executable, "-c", CALLER], cwd=os.path.dirname(__file__),
+                              env={**os.environ, "PYTHONPATH": ROOT}, stderr=subprocess.DEVNULL)
+    children, deadline = set(), time.monotonic() + 60
+    try:
+        while len(children) < 2 and time.monotonic() < deadline and caller.poll() is None:
+            with open(f"/proc/{caller.pid}/task/{caller.pid}/children") as f:
+                children = set(map(int, f.read().split()))
+            time.sleep(0.05)
+        time.sleep(1.0)
+    finally:
+        caller.kill()
+        caller.wait()
+    assert len(children) >= 2
+    end = time.monotonic() + 5
+    while time.monotonic() < end and any(alive(p) for p in children):
+        time.sleep(0.05)
+    assert not [p for p in children if alive(p)]
+
+
+def fail_on_rank_1(rank, world_size, device):
+    """Run on the ranks by the next test: rank 1 raises, rank 0 waits for it in a barrier."""
+    if rank == 1:
+        raise ValueError("a bug on rank 1")
+    torch.distributed.barrier()
+    return rank
+
+
+def test_a_rank_that_raises_is_named_and_the_others_do_not_wait():
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 of 2 failed .*ValueError: a bug on"):
+        run_ranks(fail_on_rank_1, 2)
+    assert time.monotonic() - start < 30 and no_ranks_left()
+    assert run_ranks(fail_on_rank_1, 1) == [0]                        # one rank: no rank 1
+
+
+@pytest.mark.parametrize("argv, says", [(["--ranks", "3"], "cannot split"),
+                                        (["--ranks", "0"], "--ranks"),
+                                        (["--model", "nope"], "--model")])
+def test_the_benchmark_refuses_bad_input_before_any_process(argv, says, capsys):
+    assert tp_benchmark.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says in err and err.count("\n") == 1
+    assert no_ranks_left()
+
+
+class RandomDrafts(Engine):
+    """Drafts of random length, a random prefix of them accepted: rollbacks of every size."""
+    rng: random.Random = None
+
+    def propose(self, req):
+        room = min(self.num_speculative_tokens, req.max_new_tokens - len(req.output) - 1)
+        return [self.rng.randrange(4) for _ in range(self.rng.randint(0, max(0, room)))]
+
+    def accept(self, r, drafts, logits):
+        return drafts[:self.rng.randint(0, len(drafts))] + [self.rng.randrange(4)]
+
+
+def test_a_worker_that_applies_each_steps_changes_holds_the_schedulers_tables():
+    """The other design, vLLM's: one scheduler sends each step's table changes. Over many random
+    steps (preemption by recompute and swap, token budgets, prefix caching, n=2, speculation
+    with random rollbacks), a worker's copy of every layer's tables, updated only by
+    `step_changes`, is the scheduler's after every step; every kind of change occurs, and the
+    messages carry fewer block ids than the tables."""
+    kinds, sent, whole = {"appended": 0, "replaced": 0, "freed": 0}, 0, 0
+    for seed in range(12):
+        rng = random.Random(seed)
+        RandomDrafts.rng = rng
+        engine = RandomDrafts(FakeModel(seed, vocab=4), 18, 3, rng.choice(["recompute", "swap"]),
+                              max_num_batched_tokens=rng.choice([None, 4, 9]), max_num_seqs=4,
+                              prefix_caching=rng.random() < 0.5, speculative="ngram",
+                              num_speculative_tokens=rng.randint(1, 4), num_cpu_blocks=18)
+        worker = [block_tables(m) for m in engine.cache.managers]
+        for step in range(40):
+            if len(engine.requests) < 10 and rng.random() < 0.4:
+                engine.add_request([rng.randrange(4) for _ in range(rng.randint(1, 10))],
+                                   rng.randint(1, 12), stop_tokens=[], n=rng.choice([1, 1, 2]))
+            if not engine.has_unfinished():
+                continue
+            before = [block_tables(m) for m in engine.cache.managers]
+            engine.step()
+            for layer, m in enumerate(engine.cache.managers):
+                after = block_tables(m)
+                changes = step_changes(before[layer], after)
+                worker[layer] = apply_changes(worker[layer], changes)
+                assert worker[layer] == after, (seed, step, layer)
+                for k in kinds:
+                    kinds[k] += bool(changes[k])
+                sent += sum(map(len, changes["appended"].values())) + \
+                    sum(map(len, changes["replaced"].values()))
+                whole += sum(map(len, after.values()))
+    assert all(kinds.values()), kinds
+    assert sent < whole / 2
