@@ -128,6 +128,12 @@ CASES = {   # module: {argv: what the error line names (None: answered)}
         ("--json", "/nonexistent/out.json"): ["--json", "does not exist"],
         ("--isa", "sse2"): ["--isa"],
     },
+    "soak": {
+        ("--requests", "2"): ["--requests"],
+        ("--clients", "0"): ["--clients"],
+        ("--seconds", "0"): ["--seconds"],
+        ("--requests", "8", "--clients", "2", "--streams", "2", "--seconds", "1"): None,
+    },
     "products": {
         ("--rows", "0"): ["--rows"],
         ("--rows", "385"): ["--rows"],
