@@ -33,7 +33,7 @@ def test_stage_7_gives_the_tokens_and_what_speculation_did(tmp_path):
     start(tmp_path)
     yours, reference, figures = compare("7", tmp_path)
     assert isinstance(yours, str) and yours.startswith("not written yet: 7.propose")
-    assert reference["tokens"] == [t[:10] for t in checks._no_cache_continuations(14)]
+    assert reference["tokens"] == [t[:10] for t in checks.stage7._no_cache_continuations(14)]
     stats = reference["stats"]
     assert stats.draft_tokens > 0 and 0 < stats.accepted_tokens <= stats.draft_tokens
     assert figures == []

@@ -65,7 +65,7 @@ def _pool():
 
 def _walk():
     """Stage 3b: one row of 10 keys in blocks of 3, walked by paged_attention_v1 with a trace."""
-    (q, k, v, k_cache, v_cache, table, _, _) = checks._paged_case(3, 1, 2, 1, [7], 3, seed=5)
+    (q, k, v, k_cache, v_cache, table, _, _) = checks.stage3._paged_case(3, 1, 2, 1, [7], 3, seed=5)
     for t in range(3):
         p = 7 + t
         k_cache[int(table[0, p // 3]), p % 3], v_cache[int(table[0, p // 3]), p % 3] = k[0, t], v[0, t]
@@ -76,13 +76,13 @@ def _walk():
 
 
 def _run(stage: str):
-    model, prompts = checks.tiny_model(), checks.prompts_of((3, 9, 14))
+    model, prompts = checks.common.tiny_model(), checks.common.prompts_of((3, 9, 14))
     if stage == "1":
         return generate(model, prompts, 6, cache="contiguous", stop_tokens=[])
     if stage == "2":
         return _pool()
     if stage == "3":
-        cache = checks._CallPerLayer(model.args, 64, 4, 3, model.args.max_seq_len,
+        cache = checks.stage3._CallPerLayer(model.args, 64, 4, 3, model.args.max_seq_len,
                                      dtype=torch.float64)
         return generate(model, prompts, 6, cache=cache, stop_tokens=[])
     if stage == "3b":
@@ -104,7 +104,7 @@ def _run(stage: str):
     if stage == "7":
         engine = SpeculativeEngine(model, 32, 4, max_num_seqs=4, backend="torch",
                                    speculative="ngram", num_speculative_tokens=3)
-        for p in checks._repetitive_prompts():
+        for p in checks.stage7._repetitive_prompts():
             engine.add_request(p, 10, stop_tokens=[])
         return {"tokens": [r.output for r in engine.run()], "stats": engine.spec}
     search = BeamSearch(model, prompts[1], 3, 5, cache="paged", block_size=2, stop_tokens=[],

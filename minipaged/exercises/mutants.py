@@ -171,7 +171,7 @@ def mutants(task: Task):
 
 def kills(task: Task, fn, seconds_limit: float = 6.0) -> str | None:
     """The first check that fails with `fn` standing in (its sentence), or None if all pass."""
-    checks.SHRINK = False
+    checks.common.SHRINK = False
     try:
         with stand_in(task.target, fn):
             for check in task.checks:
@@ -179,7 +179,7 @@ def kills(task: Task, fn, seconds_limit: float = 6.0) -> str | None:
                 if not outcome.passed:
                     return f"{check.__name__}: {outcome.message.splitlines()[0]}"
     finally:
-        checks.SHRINK = True
+        checks.common.SHRINK = True
     return None
 
 
