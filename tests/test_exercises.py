@@ -123,13 +123,13 @@ def test_check_grades_a_wrong_solution_with_a_sentence_and_an_input(tmp_path, ca
     src = path.read_text()
     wrong = ('''
 def grow(self, seq_ids, num_new_tokens):
-    rows = self._rows(seq_ids, unique=True)
-    n = self._count(num_new_tokens)
+    rows = check_live(self, seq_ids, unique=True)
+    n = check_count(num_new_tokens)
     seqs, held, needed = self._crossing(rows, n)
     needed = [k + 1 for k in needed]
     total = sum(needed) - sum(held)
     if seqs:
-        self._check_room(seqs, needed, total)
+        check_room(self, seqs, needed, total)
         self._add_blocks(seqs, held, needed)
     self._lens[rows] += n
     return total
@@ -138,6 +138,7 @@ def grow(self, seq_ids, num_new_tokens):
     assert main(["check", "2.grow", "--workspace", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "FAIL 2.grow" in out and "the input it failed on" in out and "Traceback" not in out
+    assert "AttributeError" not in out and "blocks" in out     # the bug, not a missing helper
     assert main(["check", "2.grow", "--reference"]) == 0
 
 

@@ -16,31 +16,44 @@ from .common import contiguous_tokens, expect_same_tokens, prompts_of, prop, tin
 from .stage6 import sampling_shares_blocks_and_keeps_tokens
 
 
+# the draws `take`'s docstring allows: each picks a uniform index into the free list
+DRAWS = {"int(rng.random() * len(free))": lambda rng, n: int(rng.random() * n),
+         "rng.randrange(len(free))": lambda rng, n: rng.randrange(n)}
+
+
 @prop(30)
 @given(st.integers(1, 12), st.integers(0, 2**16),
        st.lists(st.tuples(st.booleans(), st.integers(0, 5)), max_size=8))
 def take_matches_the_documented_draw(num_blocks, seed, ops):
-    """`take(k)` removes k distinct free ids, each drawn as the docstring says: index
-    int(rng.random() * len(free)), swapped with the last id, popped (so a seed replays)."""
+    """`take(k)` removes k distinct free ids, each drawn as the docstring says: a uniform index
+    into the free list (int(rng.random() * len(free)) or rng.randrange(len(free)), one of the
+    two throughout), swapped with the last id, popped (so a seed replays)."""
     fs = FreeBlockSet(num_blocks, seed)
-    model, rng, taken = list(range(num_blocks)), random.Random(seed), []
+    models = {name: (list(range(num_blocks)), random.Random(seed)) for name in DRAWS}
+    taken = []
     for is_take, k in ops:
+        k = min(k, len(fs))
         if is_take:
-            k = min(k, len(model))
-            want = []
-            for _ in range(k):
-                i = int(rng.random() * len(model))
-                model[i], model[-1] = model[-1], model[i]
-                want.append(model.pop())
-            got = fs.take(k)
-            expect(got == want, f"FreeBlockSet({num_blocks}, seed={seed}).take({k}) gave {got}; "
-                                f"the draw described in the docstring gives {want}")
+            got, wants = fs.take(k), {}
+            for name, (model, rng) in models.items():
+                want = []
+                for _ in range(k):
+                    i = DRAWS[name](rng, len(model))
+                    model[i], model[-1] = model[-1], model[i]
+                    want.append(model.pop())
+                wants[name] = want
+            expect(any(got == w for w in wants.values()),
+                   f"FreeBlockSet({num_blocks}, seed={seed}).take({k}) gave {got}; the draws the "
+                   f"docstring allows give " + " or ".join(f"{w} ({name})" for name, w in
+                                                           wants.items()))
+            models = {name: m for name, m in models.items() if wants[name] == got}
             taken += got
         elif taken:
-            back = taken[:k]
-            taken = taken[k:]
+            back, taken = taken[:k], taken[k:]
             fs.put(back)
-            model.extend(back)
+            for model, _ in models.values():
+                model.extend(back)
+        model = next(iter(models.values()))[0]
         expect(sorted(fs.ids()) == sorted(model) and len(fs) == len(model),
                f"after take/put the free set holds {sorted(fs.ids())}, but should hold "
                f"{sorted(model)}")
@@ -51,82 +64,146 @@ def _snapshot(cm: CacheManager):
             sorted(cm.free_blocks.ids()), cm.free_blocks._rng.getstate(), cm.live_seq_ids())
 
 
+def _changes(before, after) -> str:
+    """What differs between two snapshots, in words."""
+    names = ("block_table", "seq_lens", "num_blocks_held", "the free blocks", None, "live ids")
+    out = [f"{name} {b.tolist() if isinstance(b, torch.Tensor) else b} became "
+           f"{a.tolist() if isinstance(a, torch.Tensor) else a}"
+           for name, b, a in zip(names, before, after) if name and not _same([b], [a])]
+    if not _same(before[4:5], after[4:5]):
+        out.append("the free set's generator drew (a seed no longer replays)")
+    return "; ".join(out)
+
+
 def _same(a, b) -> bool:
     return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
 
 
-ALLOC_OPS = st.lists(st.tuples(st.sampled_from(["reserve", "grow", "grow", "free"]),
-                               st.integers(0, 3), st.integers(0, 7),
-                               st.lists(st.integers(0, 3), min_size=1, max_size=4, unique=True)),
-                     min_size=1, max_size=14)
+# (op, seq id, tokens, the ids a grow names, whether a grow keeps only live ids): ids run from
+# -1 to 4 on a manager of 4 rows, so some are invalid, never started, or freed twice
+ALLOC_OPS = st.lists(st.tuples(st.sampled_from(["reserve", "reserve", "grow", "grow", "free"]),
+                               st.integers(-1, 4), st.integers(0, 9),
+                               st.lists(st.integers(-1, 4), min_size=1, max_size=4),
+                               st.sampled_from([True, True, True, False])),
+                     min_size=1, max_size=16)
 
 
-@prop(40)
-@example(1, 3, 0, [("reserve", 0, 1, [0]), ("reserve", 1, 1, [0]), ("grow", 0, 1, [0, 1])])
-@example(2, 4, 0, [("reserve", 0, 2, [0]), ("reserve", 1, 3, [0]), ("grow", 0, 1, [1, 0]),
-                   ("free", 1, 0, [0]), ("reserve", 2, 7, [0])])
-@given(st.integers(1, 4), st.integers(2, 10), st.integers(0, 99), ALLOC_OPS)
-def allocator_matches_a_list_model(block_size, num_blocks, seed, ops):
+def _refusal(op, s, n, group, lens, free_now, max_blocks, ceil):
+    """Why the list model refuses the call (the exception it must raise, a reason), or None."""
+    if op in ("reserve", "free") and not 0 <= s < 4:
+        return RequestError, f"sequence id {s} is outside the table's rows [0, 4)"
+    if op == "reserve":
+        if s in lens:
+            return RequestError, f"sequence {s} is live: a new sequence needs an id that holds nothing"
+        if ceil(n) > max_blocks:
+            return RequestError, (f"{n} tokens need {ceil(n)} blocks, more than a table row's "
+                                  f"max_blocks_per_seq={max_blocks}")
+        if ceil(n) > free_now:
+            return OutOfBlocksError, f"{n} tokens need {ceil(n)} blocks and {free_now} are free"
+        return None
+    if op == "free":
+        return (RequestError, f"sequence {s} is not live (never started, or freed already)") \
+            if s not in lens else None
+    bad = [x for x in group if x not in lens]
+    if bad:
+        return RequestError, f"sequence(s) {bad} are not live"
+    if len(set(group)) < len(group):
+        return RequestError, f"the ids {group} repeat one"
+    if max(ceil(lens[x] + n) for x in group) > max_blocks:
+        return RequestError, f"a sequence would need more than max_blocks_per_seq={max_blocks} blocks"
+    need = sum(ceil(lens[x] + n) - ceil(lens[x]) for x in group)
+    if need > free_now:
+        return OutOfBlocksError, f"it needs {need} new blocks and {free_now} are free"
+    return None
+
+
+@prop(50)
+@example(2, 8, 2, 0, [("reserve", 0, 6, [0], True)])               # a prompt past its row
+@example(2, 8, 2, 0, [("reserve", 0, 4, [0], True), ("grow", 0, 1, [0], True)])   # a row full
+@example(2, 3, 3, 0, [("reserve", 0, 3, [0], True), ("reserve", 1, 3, [0], True)])  # 1 free, 2 asked
+@example(2, 4, 4, 0, [("reserve", 0, 8, [0], True), ("reserve", 1, 1, [0], True)])  # an exact fill
+@example(1, 6, 6, 0, [("grow", 0, 1, [1], False)])                    # grow a never-started id
+@example(1, 6, 6, 0, [("reserve", 0, 2, [0], True), ("grow", 0, 1, [0, 0], False)])  # repeated
+@example(1, 6, 6, 0, [("reserve", 0, 2, [0], True), ("reserve", 0, 1, [0], True)])   # live again
+@example(1, 6, 6, 0, [("reserve", 0, 2, [0], True), ("free", 0, 0, [0], True),
+                      ("free", 0, 0, [0], True)])                      # a double free
+@example(1, 6, 6, 0, [("reserve", 4, 1, [0], True), ("free", -1, 0, [0], True)])  # outside
+@example(1, 3, 3, 0, [("reserve", 0, 1, [0], True), ("reserve", 1, 1, [0], True),
+                      ("grow", 0, 2, [0, 1], True)])                   # exactly the free blocks
+@example(2, 4, 4, 0, [("reserve", 0, 2, [0], True), ("reserve", 1, 3, [0], True),
+                      ("grow", 0, 1, [1, 0], True), ("free", 1, 0, [0], True),
+                      ("reserve", 2, 7, [0], True)])
+@given(st.integers(1, 4), st.integers(2, 10), st.integers(1, 10), st.integers(0, 99), ALLOC_OPS)
+def allocator_matches_a_list_model(block_size, num_blocks, max_blocks, seed, ops):
     """A CacheManager driven by random reserve/grow/free calls agrees with a plain Python model:
     each sequence holds ceil(length / block_size) blocks, keeps its old blocks in order as it
-    grows, no block has two owners, every block is either held or free, and a call that runs
-    out of blocks raises OutOfBlocksError and changes nothing."""
-    cm = CacheManager(num_blocks, block_size, 1, 1, max_seqs=4, max_blocks_per_seq=num_blocks,
+    grows, no block has two owners, every block is either held or free. Rows may be shorter
+    than the pool (max_blocks_per_seq below num_blocks), and ids may be invalid, never started,
+    repeated or freed twice: a call the model refuses (a row too short: RequestError; too few
+    free blocks: OutOfBlocksError; a bad id: RequestError) must raise and change nothing, and
+    an exact fit must succeed."""
+    max_blocks = min(max_blocks, num_blocks)
+    cm = CacheManager(num_blocks, block_size, 1, 1, max_seqs=4, max_blocks_per_seq=max_blocks,
                       seed=seed)
+    where = f"(blocks of {block_size}, {num_blocks} in the pool, rows of {max_blocks})"
     lens: dict[int, int] = {}           # the model: seq -> tokens
     blocks: dict[int, list[int]] = {}   # seq -> its blocks, in order
     ceil = lambda n: -(-n // block_size)                                   # noqa: E731
-    for op, s, n, group in ops:
+    log = []
+    for op, s, n, group, live_only in ops:
         free_now = num_blocks - sum(len(b) for b in blocks.values())
-        before = _snapshot(cm)
-        if op == "reserve" and s not in lens:
-            call = f"reserve({s}, {n})"
-            if ceil(n) > free_now:
-                try:
-                    cm.reserve(s, n)
-                    expect(False, f"{call} with {free_now} free blocks of {block_size} "
-                                  f"should raise OutOfBlocksError")
-                except (OutOfBlocksError, RequestError):
-                    expect(_same(before, _snapshot(cm)), f"{call} ran out of blocks but "
-                                                         f"changed the manager's state")
+        if op == "grow":
+            group = ([x for x in group if x in lens] or sorted(lens)[:1]) if live_only else group
+            if not group:
                 continue
+        call = {"reserve": f"reserve({s}, {n})", "free": f"free({s})",
+                "grow": f"grow({group}, {n})"}[op]
+        at = f"after {', '.join(log) or 'nothing'}: {call} {where}"
+        refused = _refusal(op, s, n, group, lens, free_now, max_blocks, ceil)
+        before = _snapshot(cm)
+        if refused:
+            error, reason = refused
+            try:
+                getattr(cm, op)(*{"reserve": (s, n), "free": (s,), "grow": (group, n)}[op])
+                raised = None
+            except (OutOfBlocksError, RequestError) as e:
+                raised = e
+            except Exception as e:                   # IndexError, KeyError, ...: not a refusal
+                raise CheckFailed(f"{at} raised {type(e).__name__}: {e}; {reason}, so it must "
+                                  f"raise {error.__name__} before changing anything") from None
+            expect(raised is not None, f"{at} returned normally, but {reason}: it must raise "
+                                       f"{error.__name__} and change nothing")
+            after = _snapshot(cm)
+            expect(_same(before, after),
+                   f"{at} raised {type(raised).__name__} (right: {reason}) but changed the "
+                   f"manager first: {_changes(before, after)}. Check everything before taking "
+                   f"a block")
+            continue
+        log.append(call)
+        if op == "reserve":
             got = cm.reserve(s, n)
             lens[s] = n
             blocks[s] = cm.blocks_of(s)
             expect(list(got) == blocks[s] and len(got) == ceil(n),
-                   f"{call} returned {got}: it should return the {ceil(n)} block(s) it took "
+                   f"{at} returned {got}: it should return the {ceil(n)} block(s) it took "
                    f"for {n} tokens of {block_size} per block")
-        elif op == "grow" and lens:
-            seqs = [x for x in group if x in lens] or [min(lens)]
-            call = f"grow({seqs}, {n}) (lengths {[lens[x] for x in seqs]})"
-            need = sum(ceil(lens[x] + n) - ceil(lens[x]) for x in seqs)
-            if need > free_now or max(ceil(lens[x] + n) for x in seqs) > num_blocks:
-                try:
-                    cm.grow(seqs, n)
-                    expect(False, f"{call} needs {need} new blocks with {free_now} free (or a "
-                                  f"table longer than {num_blocks}): it should raise "
-                                  f"OutOfBlocksError (or RequestError)")
-                except (OutOfBlocksError, RequestError):
-                    expect(_same(before, _snapshot(cm)), f"{call} ran out of blocks but "
-                                                         f"changed the manager's state")
-                continue
-            got = cm.grow(seqs, n)
-            expect(got == need, f"{call} returned {got}; it took {need} new block(s)")
-            for x in seqs:
+        elif op == "grow":
+            need = sum(ceil(lens[x] + n) - ceil(lens[x]) for x in group)
+            got = cm.grow(group, n)
+            expect(got == need, f"{at} returned {got}; it took {need} new block(s)")
+            for x in group:
                 lens[x] += n
                 now = cm.blocks_of(x)
                 expect(now[:len(blocks[x])] == blocks[x],
-                       f"after {call} sequence {x}'s blocks are {now}: it must keep its old "
+                       f"{at}: sequence {x}'s blocks are {now}: it must keep its old "
                        f"blocks {blocks[x]} first, in order")
                 blocks[x] = now
-        elif op == "free" and s in lens:
+        else:
             got = cm.free(s)
             expect(sorted(got) == sorted(blocks[s]),
-                   f"free({s}) returned {got}, but sequence {s} held {blocks[s]}")
+                   f"{at} returned {got}, but sequence {s} held {blocks[s]}")
             del lens[s], blocks[s]
-        else:
-            continue
-        _allocator_invariants(cm, lens, blocks, block_size, f"after {call if op != 'free' else f'free({s})'}")
+        _allocator_invariants(cm, lens, blocks, block_size, at)
 
 
 def _allocator_invariants(cm, lens, blocks, block_size, when):

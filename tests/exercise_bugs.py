@@ -1,0 +1,339 @@
+"""Plausible wrong solutions a learner could write, each planted in a task's reference (the
+test that uses them: tests/test_grader_rejects.py). Each entry: task id, the wrong function's
+source (compiled in the reference's own module, as a workspace file's would run), and words
+the grader's sentence must contain."""
+
+BUGS = {
+    "reserve takes before checking the row": ("2.reserve", """
+def reserve(self, seq_id, num_tokens):
+    s, n = check_new(self, seq_id), check_count(num_tokens)
+    k = self.blocks_for(n)
+    blocks = self._take(k)                      # taken first: a refusal below leaks them
+    check_room(self, [s], [k], k)
+    self._table[s, :k] = blocks
+    self._held[s], self._lens[s] = k, n
+    self._live.add(s)
+    return blocks
+""", "changed the manager first"),
+    "grow takes before checking the row": ("2.grow", """
+def grow(self, seq_ids, num_new_tokens):
+    rows, n = check_live(self, seq_ids, unique=True), check_count(num_new_tokens)
+    seqs, held, needed = self._crossing(rows, n)
+    total = sum(needed) - sum(held)
+    if seqs:
+        blocks = self._take(total)
+        check_room(self, seqs, needed, 0)
+        it = iter(blocks)
+        for s, h, e in zip(seqs, held, needed):
+            for j in range(h, e):
+                self._table[s, j] = next(it)
+            self._held[s] = e
+    self._lens[rows] += n
+    return total
+""", "changed the manager first"),
+    "grow skips the check that the sequences are live": ("2.grow", """
+def grow(self, seq_ids, num_new_tokens):
+    import numpy as np
+    rows, n = np.asarray(list(seq_ids), dtype=np.int64), check_count(num_new_tokens)
+    seqs, held, needed = self._crossing(rows, n)
+    total = sum(needed) - sum(held)
+    if seqs:
+        check_room(self, seqs, needed, total)
+        self._add_blocks(seqs, held, needed)
+    self._lens[rows] += n
+    return total
+""", "not live"),
+    "reserve skips the check that the sequence is new": ("2.reserve", """
+def reserve(self, seq_id, num_tokens):
+    s, n = int(seq_id), check_count(num_tokens)
+    k = self.blocks_for(n)
+    check_room(self, [s], [k], k)
+    blocks = self._take(k)
+    self._table[s, :k] = blocks
+    self._held[s], self._lens[s] = k, n
+    self._live.add(s)
+    return blocks
+""", "is live"),
+    "free skips the check that the sequence is live": ("2.free", """
+def free(self, seq_id):
+    s = int(seq_id)
+    blocks = self._table[s, : self._held[s]].tolist()
+    self._release(blocks)
+    self._table[s, : self._held[s]] = PAD_BLOCK
+    self._held[s], self._lens[s] = 0, 0
+    self._live.discard(s)
+    return blocks
+""", "not live"),
+    "reserve passes the room check a wrong count": ("2.reserve", """
+def reserve(self, seq_id, num_tokens):
+    s, n = check_new(self, seq_id), check_count(num_tokens)
+    k = self.blocks_for(n)
+    check_room(self, [s], [k], n // self.block_size)    # full blocks, not ceil
+    blocks = self._take(k)
+    self._table[s, :k] = blocks
+    self._held[s], self._lens[s] = k, n
+    self._live.add(s)
+    return blocks
+""", "OutOfBlocksError"),
+    'propose: first match': ('7.propose', """
+def ngram_propose(tokens, k, min_n=1, max_n=4):
+    tokens = list(tokens)
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        tail = tokens[-n:]
+        for start in range(0, len(tokens) - n):
+            if tokens[start:start + n] == tail:
+                return tokens[start + n:start + n + k]
+    return []
+""", 'latest earlier match'),
+    'propose: drafts stop before the tail': ('7.propose', """
+def ngram_propose(tokens, k, min_n=1, max_n=4):
+    tokens = list(tokens)
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tail:
+                return tokens[start + n:min(start + n + k, len(tokens) - n)]
+    return []
+""", 'latest earlier match'),
+    'propose: no match may overlap the tail': ('7.propose', """
+def ngram_propose(tokens, k, min_n=1, max_n=4):
+    tokens = list(tokens)
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - 2 * n, -1, -1):
+            if tokens[start:start + n] == tail:
+                return tokens[start + n:start + n + k]
+    return []
+""", 'latest earlier match'),
+    'propose: searches a string': ('7.propose', """
+def ngram_propose(tokens, k, min_n=1, max_n=4):
+    tokens = list(tokens)
+    text = " ".join(map(str, tokens))
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        tail = " ".join(map(str, tokens[-n:]))
+        at = text.rfind(tail, 0, len(text) - len(tail) - 1)
+        if at >= 0:
+            start = text[:at].count(" ")
+            return tokens[start + n:start + n + k]
+    return []
+""", 'latest earlier match'),
+    'cow: copies every sharer, the last writer too': ('6.cow', """
+def _shared_writes(self, rows, n):
+    if not n or self.refs.max(initial=0) <= 1:
+        return []
+    held = self._held[rows]
+    last = self._table[rows, np.maximum(held - 1, 0)]
+    partial = (self._lens[rows] % self.block_size != 0) & (self.refs[last] > 1)
+    return list(zip(rows[partial].tolist(), last[partial].tolist()))
+""", 'except the last table still holding it'),
+    'cow: copies a full shared last block too': ('6.cow', """
+def _shared_writes(self, rows, n):
+    if not n or self.refs.max(initial=0) <= 1:
+        return []
+    held = self._held[rows]
+    last = self._table[rows, np.maximum(held - 1, 0)]
+    partial = (held > 0) & (self.refs[last] > 1)
+    cow, left = [], {}
+    for r, b in zip(rows[partial].tolist(), last[partial].tolist()):
+        left[b] = left.get(b, int(self.refs[b]))
+        if left[b] > 1:
+            cow.append((r, b))
+            left[b] -= 1
+    return cow
+""", 'shared partial last block'),
+    'cow: partial judged on the new length': ('6.cow', """
+def _shared_writes(self, rows, n):
+    if not n or self.refs.max(initial=0) <= 1:
+        return []
+    held = self._held[rows]
+    last = self._table[rows, np.maximum(held - 1, 0)]
+    partial = ((self._lens[rows] + n) % self.block_size != 0) & (self.refs[last] > 1)
+    cow, left = [], {}
+    for r, b in zip(rows[partial].tolist(), last[partial].tolist()):
+        left[b] = left.get(b, int(self.refs[b]))
+        if left[b] > 1:
+            cow.append((r, b))
+            left[b] -= 1
+    return cow
+""", 'copy(ies)-on-write'),
+    'cow: refs read once, not counted down': ('6.cow', """
+def _shared_writes(self, rows, n):
+    if not n:
+        return []
+    cow = []
+    for r in rows.tolist():
+        h = int(self._held[r])
+        if h == 0 or int(self._lens[r]) % self.block_size == 0:
+            continue
+        b = int(self._table[r, h - 1])
+        if self.refs[b] > 1 and sum(1 for x, _ in cow if _ == b) < self.refs[b]:
+            cow.append((r, b))
+    return cow
+""", 'copy(ies)-on-write'),
+    'admissible: blocks for n, not held + n': ('5b.admissible', """
+def _admissible(self, held, want, out):
+    n = want
+    while n > 0 and not admits(self.blocks_for(n), self._free(out), self.watermark_blocks,
+                               alone=not self.running):
+        n = (self.blocks_for(n) - 1) * self.block_size
+    return max(n, 0)
+""", 'the largest chunk that fits'),
+    "admissible: drops block_size tokens, not to a block's end": ('5b.admissible', """
+def _admissible(self, held, want, out):
+    n = want
+    while n > 0 and not admits(self.blocks_for(held + n), self._free(out), self.watermark_blocks,
+                               alone=not self.running):
+        n -= self.block_size
+    return max(n, 0)
+""", 'the largest chunk that fits'),
+    'admissible: watermark even when nothing runs': ('5b.admissible', """
+def _admissible(self, held, want, out):
+    n = want
+    while n > 0 and not admits(self.blocks_for(held + n), self._free(out), self.watermark_blocks,
+                               alone=False):
+        n = (self.blocks_for(held + n) - 1) * self.block_size - held
+    return max(n, 0)
+""", 'the largest chunk that fits'),
+    'admissible: ignores the watermark': ('5b.admissible', """
+def _admissible(self, held, want, out):
+    n = want
+    while n > 0 and self.blocks_for(held + n) > self._free(out):
+        n = (self.blocks_for(held + n) - 1) * self.block_size - held
+    return max(n, 0)
+""", 'the largest chunk that fits'),
+}
+
+# Correct solutions shaped differently from the reference: the grader must pass every one.
+ALTERNATIVES = {
+    "take with randrange": ("2.take", """
+def take(self, k):
+    out = []
+    for _ in range(k):
+        i = self._rng.randrange(len(self._ids))
+        self._ids[i], self._ids[-1] = self._ids[-1], self._ids[i]
+        out.append(self._ids.pop())
+    return out
+"""),
+    "reserve with its own checks, in a different order": ("2.reserve", """
+def reserve(self, seq_id, num_tokens):
+    n = check_count(num_tokens)
+    s = check_new(self, seq_id)
+    k = -(-n // self.block_size)
+    check_room(self, [s], [k], k)
+    blocks = self._take(k)
+    for j, b in enumerate(blocks):
+        self._table[s, j] = b
+    self._lens[s] = n
+    self._held[s] = len(blocks)
+    self._live.add(s)
+    return blocks
+"""),
+    "grow one sequence at a time, after checking them all": ("2.grow", """
+def grow(self, seq_ids, num_new_tokens):
+    rows, n = check_live(self, seq_ids, unique=True), check_count(num_new_tokens)
+    plan = []
+    for s in rows.tolist():
+        have, want = int(self._held[s]), self.blocks_for(int(self._lens[s]) + n)
+        if want > have:
+            plan.append((s, have, want))
+    total = sum(want - have for _, have, want in plan)
+    if plan:
+        check_room(self, [s for s, _, _ in plan], [w for _, _, w in plan], total)
+    for s, have, want in plan:
+        new = self._take(want - have)
+        self._table[s, have:want] = new
+        self._held[s] = want
+    for s in rows.tolist():
+        self._lens[s] += n
+    return total
+"""),
+    "free that reads the row, then clears it whole": ("2.free", """
+def free(self, seq_id):
+    s = check_one(self, seq_id)
+    held = int(self._held[s])
+    blocks = [int(b) for b in self._table[s][:held]]
+    self._release(blocks)
+    self._table[s] = PAD_BLOCK
+    self._held[s] = 0
+    self._lens[s] = 0
+    self._live.remove(s)
+    return blocks
+"""),
+    'admissible: a token at a time': ('5b.admissible', """
+def _admissible(self, held, want, out):
+    for n in range(want, 0, -1):
+        if admits(self.blocks_for(held + n), self._free(out), self.watermark_blocks,
+                  alone=not self.running):
+            return n
+    return 0
+"""),
+    "fork with a loop over the parent's blocks": ("6.fork", """
+def fork(self, parent, child):
+    p = check_one(self, parent)
+    c = check_new(self, child)
+    for j in range(int(self._held[p])):
+        b = int(self._table[p, j])
+        self._table[c, j] = b
+        self.refs[b] += 1
+    self._held[c] = self._held[p]
+    self._lens[c] = self._lens[p]
+    self._live.add(c)
+"""),
+    "cow row by row, counting the tables still to write": ("6.cow", """
+def _shared_writes(self, rows, n):
+    if n == 0:
+        return []
+    out, writers = [], {}
+    for r in rows.tolist():
+        h = int(self._held[r])
+        if h and int(self._lens[r]) % self.block_size:
+            b = int(self._table[r, h - 1])
+            writers.setdefault(b, []).append(r)
+    for b, rs in writers.items():
+        copies = min(len(rs), int(self.refs[b]) - 1)     # the last holder keeps the original
+        out += [(r, b) for r in rs[:copies]]
+    return sorted(out, key=lambda rb: rows.tolist().index(rb[0]))
+"""),
+    "hashes by recursion over the blocks": ("6.hash", """
+def block_hashes(tokens, block_size, parent=None, start=0):
+    tokens = list(tokens)
+    if (start + 1) * block_size > len(tokens):
+        return []
+    name = block_hash(parent, tokens[start * block_size:(start + 1) * block_size])
+    return [name] + block_hashes(tokens, block_size, name, start + 1)
+"""),
+    "propose by scanning backwards once per n with a dict of n-grams": ("7.propose", """
+def ngram_propose(tokens, k, min_n=1, max_n=4):
+    tokens = list(tokens)
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        latest = {}
+        for start in range(len(tokens) - n):              # later starts overwrite earlier ones
+            latest[tuple(tokens[start:start + n])] = start
+        start = latest.get(tuple(tokens[-n:]))
+        if start is not None:
+            return tokens[start + n:start + n + k]
+    return []
+"""),
+    "rollback that checks first, then releases block by block": ("7.rollback", """
+def rollback(cache, seq_id, num_tokens):
+    s = int(seq_id)
+    for m in cache.managers:
+        if num_tokens < 0 or num_tokens > int(m._lens[s]):
+            raise RequestError(f"cannot roll sequence {s} back to {num_tokens} tokens")
+    given_back = 0
+    for m in cache.managers:
+        keep = -(-num_tokens // cache.block_size)
+        held = int(m._held[s])
+        for j in range(held - 1, keep - 1, -1):
+            m._release([int(m._table[s, j])])
+            m._table[s, j] = PAD_BLOCK
+        m._held[s] = keep
+        m._lens[s] = num_tokens
+        given_back = held - keep
+    if s in getattr(cache, "hashes", {}):
+        cache.hashes[s] = cache.hashes[s][:num_tokens // cache.block_size]
+    return given_back
+"""),
+}
