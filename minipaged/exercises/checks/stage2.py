@@ -80,9 +80,10 @@ def _same(a, b) -> bool:
 
 
 # (op, seq id, tokens, the ids a grow names, whether a grow keeps only live ids): ids run from
-# -1 to 4 on a manager of 4 rows, so some are invalid, never started, or freed twice
+# -1 to 4 on a manager of 4 rows, so some are invalid, never started, or freed twice; a count
+# of -1 tokens is invalid
 ALLOC_OPS = st.lists(st.tuples(st.sampled_from(["reserve", "reserve", "grow", "grow", "free"]),
-                               st.integers(-1, 4), st.integers(0, 9),
+                               st.integers(-1, 4), st.integers(-1, 9),
                                st.lists(st.integers(-1, 4), min_size=1, max_size=4),
                                st.sampled_from([True, True, True, False])),
                      min_size=1, max_size=16)
@@ -92,6 +93,8 @@ def _refusal(op, s, n, group, lens, free_now, max_blocks, ceil):
     """Why the list model refuses the call (the exception it must raise, a reason), or None."""
     if op in ("reserve", "free") and not 0 <= s < 4:
         return RequestError, f"sequence id {s} is outside the table's rows [0, 4)"
+    if op != "free" and n < 0:
+        return RequestError, f"a token count of {n} is negative"
     if op == "reserve":
         if s in lens:
             return RequestError, f"sequence {s} is live: a new sequence needs an id that holds nothing"
@@ -128,6 +131,8 @@ def _refusal(op, s, n, group, lens, free_now, max_blocks, ceil):
 @example(1, 6, 6, 0, [("reserve", 0, 2, [0], True), ("free", 0, 0, [0], True),
                       ("free", 0, 0, [0], True)])                      # a double free
 @example(1, 6, 6, 0, [("reserve", 4, 1, [0], True), ("free", -1, 0, [0], True)])  # outside
+@example(1, 6, 6, 0, [("reserve", 0, -1, [0], True), ("reserve", 0, 1, [0], True),
+                      ("grow", 0, -1, [0], True)])                     # a negative count
 @example(1, 3, 3, 0, [("reserve", 0, 1, [0], True), ("reserve", 1, 1, [0], True),
                       ("grow", 0, 2, [0, 1], True)])                   # exactly the free blocks
 @example(2, 4, 4, 0, [("reserve", 0, 2, [0], True), ("reserve", 1, 3, [0], True),

@@ -124,7 +124,8 @@ def paged_call_tokens():
 @given(paged_calls(), st.booleans(), st.integers(1, 3), st.sampled_from([1.0, 1.0, 400.0]))
 def kernel_walk_matches_dense(case, causal, blocks_per_partition, loudness):
     """paged_attention_v1 and v2 (partitions of 1-3 blocks) read each row's blocks in place
-    (free slots hold NaN) and return dense float64 attention, causal or not; v1's trace holds,
+    (free slots hold NaN) and return dense float64 attention, causal or not (a row with no key
+    at all: zeros); v1's trace holds,
     after each block, the running max of the scores so far and the running sum of
     exp(score - max)."""
     block_size, B, Hq, Hk, stored, new, seed = case
@@ -149,6 +150,14 @@ def kernel_walk_matches_dense(case, causal, blocks_per_partition, loudness):
         expect(close(out1[b], want), f"v1, {what}: row {b}'s output differs from dense attention")
         expect(close(out2[b], want), f"v2 with partitions of {blocks_per_partition} block(s), "
                                      f"{what}: row {b}'s output differs from dense attention")
+    empty = seqlens.clone()
+    empty[0] = 0                                  # row 0 with no key at all: zeros, as flash-attn
+    for name, out in (("v1", paged_attention_v1(q, k_cache, v_cache, owned, empty, causal=causal)),
+                      ("v2", paged_attention_v2(q, k_cache, v_cache, owned, empty, causal=causal,
+                                                partition_size=blocks_per_partition * block_size))):
+        expect(bool((out[0] == 0).all()),
+               f"{name}, {what}, but row 0 given no key at all (seqlens_k 0): its output must be "
+               f"zeros (a query that sees no key), not {out[0].flatten()[:3].tolist()}...")
     seen: dict = {}
     for s in trace:
         key = (s.b, s.kv_head)

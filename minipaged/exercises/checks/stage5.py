@@ -158,11 +158,18 @@ def _within_budget(engine, before, out):
         expect(engine.scheduler.num_computed_tokens(r) + n <= r.num_tokens,
                f"step {engine.step_count}: request {r.req_id}'s chunk of {n} runs past its "
                f"{r.num_tokens} tokens")
+        if r in before[0]:                         # a running request's next chunk
+            need = engine.cache.blocks_to_grow(r.seq_id, n)
+            expect(out.new_blocks.get(r) == need,
+                   f"step {engine.step_count}: request {r.req_id}'s chunk of {n} tokens is booked "
+                   f"as {out.new_blocks.get(r)} new block(s), but it needs {need}: the free "
+                   f"blocks left for the rest of the step are then wrong")
 
 
 @prop(12)
 @example((2, [(0, 7, 0), (0, 7, 0)], 4, "recompute", 3, 8))
 @example((2, [(3, 7, 0), (1, 6, 0), (2, 7, 1)], 8, "swap", 4, 8))
+@example((2, [(2, 3, 2), (5, 1, 2), (4, 1, 0)], 7, "recompute", 3, 3))  # a chunk past the room
 @given(workloads(budgets=(1, 3, 4, 7)))
 def chunked_engine_keeps_the_budget(work):
     """Under a token budget the engine with your code gives the contiguous cache's tokens, and

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from ... import generate, prefix_cache
 from ...beams import BeamSearch
-from ...errors import OutOfBlocksError
+from ...errors import OutOfBlocksError, RequestError
 from ...prefix_cache import block_hash
 from ...sharing import SharedCacheManager
 from ..grader import expect
@@ -28,6 +28,8 @@ SHARE_OPS = st.lists(st.tuples(st.sampled_from(["reserve", "fork", "fork", "grow
 @example(2, 8, 0, [("reserve", 0, 0, 3), ("fork", 0, 1, 3)])      # both write nothing
 @example(2, 8, 0, [("reserve", 0, 0, 1), ("fork", 0, 1, 0), ("grow", 1, 1, 1)])
 @example(2, 8, 0, [("reserve", 0, 0, 4), ("fork", 0, 1, 5)])      # a full shared last block
+@example(2, 8, 0, [("fork", 0, 1, 0), ("reserve", 0, 0, 3), ("reserve", 1, 0, 1),
+                   ("fork", 0, 1, 0)])                              # refused: parent, child
 @example(3, 12, 1, [("reserve", 0, 0, 4), ("fork", 0, 1, 0), ("fork", 0, 2, 0),
                     ("grow", 1, 2, 2), ("grow", 0, 0, 1)])
 @given(st.sampled_from([1, 2, 3]), st.integers(4, 14), st.integers(0, 99), SHARE_OPS)
@@ -35,7 +37,8 @@ def sharing_keeps_counts_and_isolation(block_size, num_blocks, seed, ops):
     """A SharedCacheManager under random reserve/fork/grow/free calls, where every write goes
     through the block table (as the model writes): each sequence reads back exactly its own
     tokens, however its blocks were shared; refs[b] is the number of tables holding b; a block
-    is free exactly when no table holds it; running out raises OutOfBlocksError."""
+    is free exactly when no table holds it; running out raises OutOfBlocksError; a fork from a
+    sequence that is not live, or onto one that is, raises RequestError and changes nothing."""
     cm = SharedCacheManager(num_blocks, block_size, 1, 1, max_seqs=5, max_blocks_per_seq=num_blocks,
                             seed=seed)
     content: dict[int, list[float]] = {}
@@ -56,7 +59,7 @@ def sharing_keeps_counts_and_isolation(block_size, num_blocks, seed, ops):
         if op == "reserve" and a not in content:
             try:
                 cm.reserve(a, n)
-            except OutOfBlocksError:
+            except (OutOfBlocksError, RequestError):    # too few blocks, or a row too short
                 continue
             content[a] = []
             write(a, 0, n)
@@ -65,6 +68,23 @@ def sharing_keeps_counts_and_isolation(block_size, num_blocks, seed, ops):
             cm.fork(a, b)
             content[b] = list(content[a])
             log.append(f"fork({a}, {b})")
+        elif op == "fork":                        # a parent not live, or a child live already
+            why = f"sequence {a} is not live" if a not in content else f"sequence {b} is live"
+            before = (cm.block_table.clone(), cm.refs.copy(), cm.seq_lens.clone(),
+                      sorted(cm.free_blocks.ids()), cm.live_seq_ids())
+            try:
+                cm.fork(a, b)
+                raised = False
+            except RequestError:
+                raised = True
+            at = f"after {', '.join(log) or 'nothing'}: fork({a}, {b})"
+            expect(raised, f"{at} returned normally, but {why}: it must raise RequestError and "
+                           f"change nothing")
+            after = (cm.block_table.clone(), cm.refs.copy(), cm.seq_lens.clone(),
+                     sorted(cm.free_blocks.ids()), cm.live_seq_ids())
+            expect(torch.equal(before[0], after[0]) and (before[1] == after[1]).all() and
+                   torch.equal(before[2], after[2]) and before[3:] == after[3:],
+                   f"{at} raised RequestError ({why}) but changed the tables or the counts first")
         elif op in ("grow", "fork+grow") and a in content:
             if op == "fork+grow":
                 cm.fork(a, b)
@@ -85,7 +105,7 @@ def sharing_keeps_counts_and_isolation(block_size, num_blocks, seed, ops):
             copies = sum(w - (w == int(cm.refs[blk])) for blk, w in writers.items())
             try:
                 got = cm.grow(seqs, n)
-            except OutOfBlocksError:
+            except (OutOfBlocksError, RequestError):
                 expect(new + copies > cm.num_free_blocks,
                        f"after {', '.join(log)}: grow({seqs}, {n}) ran out of blocks, but it "
                        f"needs {new} new and {copies} copies with {cm.num_free_blocks} free")
@@ -215,6 +235,10 @@ def beams_fork_prune_and_match():
             expect(len(step.forks) == forks,
                    f"{what}: a step whose live survivors have parents {live} forks {forks} "
                    f"time(s) (a parent's second child and after), but step.forks is {step.forks}")
+            expect(all(a != b and a in step.seq_ids and b in step.seq_ids for a, b in step.forks),
+                   f"{what}: step.forks is {step.forks} for survivors in rows {step.seq_ids}: "
+                   f"each fork is (the parent's row, the new child's row), two rows that both "
+                   f"continue")
         contiguous = BeamSearch(model, prompt, width, 5, cache="contiguous", stop_tokens=[]).run()
         expect([t for t, _ in contiguous] == [t for t, _ in want],
                f"{what}: on the contiguous cache the beams are {[t for t, _ in contiguous]}, "
