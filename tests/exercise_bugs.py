@@ -336,4 +336,45 @@ def rollback(cache, seq_id, num_tokens):
         cache.hashes[s] = cache.hashes[s][:num_tokens // cache.block_size]
     return given_back
 """),
+    "write token by token, in Python loops": ("3.write", """
+def write_new_kv(k_cache, v_cache, k, v, table, cache_seqlens):
+    if k is None:
+        return
+    block_size = k_cache.shape[1]
+    for b in range(k.shape[0]):
+        for t in range(k.shape[1]):
+            p = int(cache_seqlens[b]) + t
+            block = int(table[b, p // block_size])
+            k_cache[block, p % block_size] = k[b, t]
+            v_cache[block, p % block_size] = v[b, t]
+"""),
+    "gather by indexing the pool with the table, row by row": ("3.gather", """
+def _gather(cache, table, L):
+    rows = [torch.cat([cache[int(b)] for b in row]) for row in table]
+    return torch.stack(rows)[:, :L]
+"""),
+    "split slot counts with a Python loop over requests": ("4.split", """
+def split_allocated(stored, allocated, final):
+    stored, allocated, final = (np.asarray(a, dtype=np.int64) for a in (stored, allocated, final))
+    tokens = np.zeros(stored.shape[1:], dtype=np.int64)
+    reserved, internal = tokens.copy(), tokens.copy()
+    for s, a, f in zip(stored, allocated, final):
+        later = np.minimum(a, f)
+        if (later < s).any():
+            raise RequestError("a request stores more tokens than it holds slots for")
+        tokens, reserved, internal = tokens + s, reserved + later - s, internal + a - later
+    return tokens, reserved, internal
+"""),
+    "split free slots with early returns": ("4.free", """
+def split_free(free, pieces=None, next_need=None):
+    if pieces is None or next_need is None:
+        return 0, int(free)
+    if next_need > free:
+        return 0, int(free)
+    external = 0
+    for piece in pieces:
+        if piece < next_need:
+            external += piece
+    return int(external), int(free - external)
+"""),
 }
