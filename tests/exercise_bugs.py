@@ -377,4 +377,128 @@ def split_free(free, pieces=None, next_need=None):
             external += piece
     return int(external), int(free - external)
 """),
+    "combine partitions one at a time, rescaling as it goes": ("3b.combine", """
+def combine_partitions(m, l, acc):
+    run_m, run_l, run_acc = m[0], l[0], acc[0]
+    for p in range(1, m.shape[0]):
+        new_m = torch.maximum(run_m, m[p])
+        safe = torch.where(new_m == float("-inf"), 0.0, new_m)
+        a, b = torch.exp(run_m - safe), torch.exp(m[p] - safe)
+        run_l = a * run_l + b * l[p]
+        run_acc = a[..., None] * run_acc + b[..., None] * acc[p]
+        run_m = new_m
+    return finish(run_l, run_acc)
+"""),
+    "attend row by row, written with index_copy": ("1.attend", """
+def attend(self, layer, q, k, v):
+    rows = self.rows.to(q.device)
+    k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+    for i, r in enumerate(rows.tolist()):
+        k_cache[r].index_copy_(0, self.positions[i].to(q.device), k[i])
+        v_cache[r].index_copy_(0, self.positions[i].to(q.device), v[i])
+    seqlens_k = self.cache_seqlens.to(q.device) + q.shape[1]
+    L = int(seqlens_k.max())
+    return attention_over_cache(q, k_cache[rows, :L], v_cache[rows, :L], seqlens_k)
+"""),
+    "decodes with a for loop over a snapshot of the running list": ("5.decodes", """
+def _schedule_decodes(self, out):
+    committed = 0
+    for req in list(self.running):
+        if req.status != "running":
+            break                                  # preempted below, as the newest
+        need = self.cache.blocks_to_grow(req.seq_id)
+        while self.cache.num_free_blocks - committed < need:
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                break
+        if req.status != "running":
+            break
+        out.decode.append(req)
+        committed += need
+    return committed
+"""),
+    "admit with the checks written out, then pop": ("5.admit", """
+def _admit(self, out, committed):
+    while len(self.waiting) > 0:
+        head = self.waiting[0]
+        group = self.group(head)
+        rows_left = min(len(self.free_rows), self.max_num_seqs - len(self.running))
+        blocks = self.blocks_for(head.num_tokens)
+        if len(group) > rows_left:
+            return
+        if not self._fits(blocks, committed):
+            return
+        self.waiting.popleft()
+        for member in group:
+            member.seq_id = self.free_rows.pop()
+            member.status = "running"
+            self.running.append(member)
+        out.prefill.append(head)
+        committed = committed + blocks
+"""),
+    "reorder: claim rows with a counter of children": ("6b.reorder", """
+def _reorder(self, parents, step):
+    if not self.paged:
+        copy_rows(self.cache, [self.beams[p].seq_id for p in parents])
+        return list(range(len(parents)))
+    keep = set(parents)
+    for i in range(len(self.beams)):
+        if i not in keep:
+            s = self.beams[i].seq_id
+            self.cache.free(s)
+            self.free_rows.append(s)
+            step.freed.append(s)
+    children, rows = {}, []
+    for p in parents:
+        parent_row = self.beams[p].seq_id
+        children[p] = children.get(p, 0) + 1
+        if children[p] == 1:
+            rows.append(parent_row)
+            continue
+        child = min(self.free_rows)
+        self.free_rows.remove(child)
+        self.cache.fork(parent_row, child)
+        step.forks.append((parent_row, child))
+        rows.append(child)
+    return rows
+"""),
+    "chunk: the prefilling request found by a search from the newest": ("5b.chunk", """
+def _schedule_prompt_chunks(self, out):
+    for req in reversed(self.running):
+        if req not in self.prefilling:
+            continue
+        left = req.num_tokens - self.num_computed_tokens(req)
+        n = self._growable(req, min(left, self._budget_left(out)), out)
+        if n > 0:
+            self._schedule(out, req, n, self.cache.blocks_to_grow(req.seq_id, n))
+            out.prefill.append(req)
+"""),
+    "walk written afresh: the block's max first, then l and acc rescaled together": ("3b.walk", """
+def walk_blocks(rows, last_key, k_cache, v_cache, table_row, kv_head, n, blocks, scale,
+                trace=None, who=(0, 0)):
+    R, D = rows.shape
+    bs = k_cache.shape[1]
+    work = torch.promote_types(rows.dtype, torch.float32)
+    rows = rows.to(work)
+    m = torch.full((R,), float("-inf"), dtype=work)
+    l = torch.zeros(R, dtype=work)
+    acc = torch.zeros(R, D, dtype=work)
+    for j in blocks:
+        block = int(table_row[j])
+        pos = j * bs + torch.arange(bs)
+        keys = k_cache[block, :, kv_head].to(work)
+        values = torch.where((pos < n)[:, None], v_cache[block, :, kv_head].to(work), 0.0)
+        scores = (rows @ keys.T * scale).masked_fill(pos[None, :] > last_key[:, None],
+                                                     float("-inf"))
+        block_max = scores.max(dim=1).values
+        m_new = torch.maximum(m, block_max)
+        safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+        p = torch.exp(scores - safe[:, None])
+        old = torch.exp(m - safe)
+        l, acc, m = old * l + p.sum(dim=1), old[:, None] * acc + p @ values, m_new
+        if trace is not None:
+            trace.append(Step(*who, j, block, scores, m, l))
+    return m, l, acc
+"""),
 }
