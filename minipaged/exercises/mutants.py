@@ -277,13 +277,27 @@ def mutants(task: Task):
     return out
 
 
-def kills(task: Task, fn, seconds_limit: float = 6.0) -> str | None:
-    """The first check that fails with `fn` standing in (its sentence), or None if all pass."""
+def time_limits(task: Task) -> list[float]:
+    """Seconds each of the task's checks may run on a mutant: ten times what it takes on the
+    reference (at least 1 s), so that a mutant that loops forever is stopped soon."""
+    out = []
+    for check in task.checks:
+        start = time.perf_counter()
+        run_check(check, task, None)
+        out.append(max(1.0, 10 * (time.perf_counter() - start)))
+    return out
+
+
+def kills(task: Task, fn, seconds_limit=6.0) -> str | None:
+    """The first check that fails with `fn` standing in (its sentence), or None if all pass.
+    `seconds_limit`: one limit for every check, or a list of one per check."""
+    limits = seconds_limit if isinstance(seconds_limit, list) else \
+        [seconds_limit] * len(task.checks)
     checks.common.SHRINK = False
     try:
         with stand_in(task.target, fn):
-            for check in task.checks:
-                outcome = run_check(check, task, seconds_limit)
+            for check, limit in zip(task.checks, limits):
+                outcome = run_check(check, task, limit)
                 if not outcome.passed:
                     return f"{check.__name__}: {outcome.message.splitlines()[0]}"
     finally:
@@ -300,8 +314,9 @@ def score(task: Task, limit: int | None = None, seed: int = 0, progress=None):
     killed, survivors, equivalent = 0, [], []
     start = time.perf_counter()
     known = EQUIVALENT.get(task.id, {})
+    limits = time_limits(task)
     for desc, fn in chosen:
-        reason = kills(task, fn)
+        reason = kills(task, fn, limits)
         if reason:
             killed += 1
         elif desc in known:
