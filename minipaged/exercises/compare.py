@@ -36,7 +36,7 @@ from ..online_softmax import paged_attention_v1
 from ..speculative import SpeculativeEngine
 from ..viz import plot_beam_tree, plot_block_tables, plot_running_softmax, plot_timeline
 from . import checks
-from .grader import _where, load_workspace_file, stand_in
+from .grader import raised_where, load_workspace_file, stand_in
 from .tasks import STAGES, select
 
 
@@ -192,7 +192,7 @@ def _yours(stage: str, workspace: Path, given: bool):
     except NotImplementedError as e:
         return str(e)
     except Exception as e:                      # the learner's code broke: one sentence
-        return f"your code raised {_where(e)}; the reference's run is shown beside it"
+        return f"your code raised {raised_where(e)}; the reference's run is shown beside it"
 
 
 def compare(stage="2", workspace=None, draw: bool = True) -> Comparison:

@@ -21,7 +21,7 @@ import time
 
 from . import checks
 from .grader import run_check, stand_in
-from .stubs import function_node, module_of, source_of
+from .stubs import module_of, source_of
 from .tasks import Task
 
 COMPARE = {ast.Lt: [ast.LtE, ast.Gt], ast.LtE: [ast.Lt, ast.GtE], ast.Gt: [ast.GtE, ast.Lt],
