@@ -20,7 +20,8 @@ from minipaged.exercises import STAGES, TASKS
 from minipaged.exercises.__main__ import main
 from minipaged.exercises.grader import load_workspace_file, resolve, run_check, stand_in
 from minipaged.exercises.mutants import EQUIVALENT, mutants, score
-from minipaged.exercises.stubs import body_lines, start, stub_file
+from minipaged.exercises.stubs import (body_lines, global_helpers, self_helpers, start,
+                                       stub_file)
 from minipaged.exercises.tasks import select
 
 IDS = [t.id for t in TASKS]
@@ -97,6 +98,20 @@ def test_a_stub_keeps_the_signature_and_docstring_and_compiles():
         assert ast.dump(fn.args) == ast.dump(ref.args) and fn.name == ref.name
         assert ast.get_docstring(fn) == ast.get_docstring(ref)
         assert "return" not in ast.unparse(fn.body[-1]) and "NotImplementedError" in ast.unparse(fn.body[-1])
+
+
+def test_a_stub_documents_every_helper_it_may_call():
+    """Each function, constant and attribute the reference uses is listed in its stub with what
+    it takes and does (a docstring, or the line of __init__ that sets it): no stub sends the
+    learner to the module that holds the answer, and a wrong guess at a helper's arguments is
+    not the first thing the learner meets."""
+    for t in TASKS:
+        text = stub_file([t])
+        assert "read them in" not in text, t.id
+        for h in global_helpers(t) + self_helpers(t):
+            what = h.split(": ", 1)[1] if ": " in h else h.split(" = ", 1)[-1]
+            assert what.strip() and (": " in h or " = " in h), f"{t.id}: `{h}` says nothing"
+            assert h.split("(")[0].split(":")[0].split(" = ")[0] in text, t.id
 
 
 def test_list_is_tab_separated(capsys):
