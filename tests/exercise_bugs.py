@@ -201,6 +201,20 @@ def _admissible(self, held, want, out):
         n = (self.blocks_for(held + n) - 1) * self.block_size - held
     return max(n, 0)
 """, 'the largest chunk that fits'),
+    "cow: counts down the real reference counts, not a copy": ("6.cow", """
+def _shared_writes(self, rows, n):
+    if not n or self.refs.max(initial=0) <= 1:
+        return []
+    held = self._held[rows]
+    last = self._table[rows, np.maximum(held - 1, 0)]
+    partial = (self._lens[rows] % self.block_size != 0) & (self.refs[last] > 1)
+    cow = []
+    for r, b in zip(rows[partial].tolist(), last[partial].tolist()):
+        if self.refs[b] > 1:
+            cow.append((r, b))
+            self.refs[b] -= 1
+    return cow
+""", "but the tables hold each block"),
 }
 
 # Correct solutions shaped differently from the reference: the grader must pass every one.

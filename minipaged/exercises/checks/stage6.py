@@ -23,6 +23,16 @@ SHARE_OPS = st.lists(st.tuples(st.sampled_from(["reserve", "fork", "fork", "grow
                      min_size=1, max_size=14)
 
 
+def _sharing_state(cm):
+    return (cm.block_table.clone(), cm.refs.copy(), cm.seq_lens.clone(),
+            sorted(cm.free_blocks.ids()), cm.live_seq_ids(), cm.k_cache_paged.clone())
+
+
+def _same_sharing(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and (a[1] == b[1]).all() and torch.equal(a[2], b[2]) and \
+        a[3:5] == b[3:5] and torch.equal(a[5], b[5])
+
+
 @prop(40)
 @example(2, 8, 0, [("reserve", 0, 0, 3), ("fork", 0, 1, 4)])      # both write a shared block
 @example(2, 8, 0, [("reserve", 0, 0, 3), ("fork", 0, 1, 3)])      # both write nothing
@@ -30,6 +40,7 @@ SHARE_OPS = st.lists(st.tuples(st.sampled_from(["reserve", "fork", "fork", "grow
 @example(2, 8, 0, [("reserve", 0, 0, 4), ("fork", 0, 1, 5)])      # a full shared last block
 @example(2, 8, 0, [("fork", 0, 1, 0), ("reserve", 0, 0, 3), ("reserve", 1, 0, 1),
                    ("fork", 0, 1, 0)])                              # refused: parent, child
+@example(2, 8, 3, [("reserve", 0, 0, 3), ("fork", 0, 1, 0), ("grow", 0, 1, 6)])  # past a row
 @example(3, 12, 1, [("reserve", 0, 0, 4), ("fork", 0, 1, 0), ("fork", 0, 2, 0),
                     ("grow", 1, 2, 2), ("grow", 0, 0, 1)])
 @given(st.sampled_from([1, 2, 3]), st.integers(4, 14), st.integers(0, 99), SHARE_OPS)
@@ -38,8 +49,10 @@ def sharing_keeps_counts_and_isolation(block_size, num_blocks, seed, ops):
     through the block table (as the model writes): each sequence reads back exactly its own
     tokens, however its blocks were shared; refs[b] is the number of tables holding b; a block
     is free exactly when no table holds it; running out raises OutOfBlocksError; a fork from a
-    sequence that is not live, or onto one that is, raises RequestError and changes nothing."""
-    cm = SharedCacheManager(num_blocks, block_size, 1, 1, max_seqs=5, max_blocks_per_seq=num_blocks,
+    sequence that is not live, or onto one that is, and a grow past a row (rows are shorter
+    than the pool for one seed in three) raise RequestError and change nothing."""
+    row = num_blocks if seed % 3 else max(2, num_blocks // 2)    # rows shorter than the pool too
+    cm = SharedCacheManager(num_blocks, block_size, 1, 1, max_seqs=5, max_blocks_per_seq=row,
                             seed=seed)
     content: dict[int, list[float]] = {}
     counter = iter(range(1, 10**6))
@@ -70,8 +83,7 @@ def sharing_keeps_counts_and_isolation(block_size, num_blocks, seed, ops):
             log.append(f"fork({a}, {b})")
         elif op == "fork":                        # a parent not live, or a child live already
             why = f"sequence {a} is not live" if a not in content else f"sequence {b} is live"
-            before = (cm.block_table.clone(), cm.refs.copy(), cm.seq_lens.clone(),
-                      sorted(cm.free_blocks.ids()), cm.live_seq_ids())
+            before = _sharing_state(cm)
             try:
                 cm.fork(a, b)
                 raised = False
@@ -80,10 +92,7 @@ def sharing_keeps_counts_and_isolation(block_size, num_blocks, seed, ops):
             at = f"after {', '.join(log) or 'nothing'}: fork({a}, {b})"
             expect(raised, f"{at} returned normally, but {why}: it must raise RequestError and "
                            f"change nothing")
-            after = (cm.block_table.clone(), cm.refs.copy(), cm.seq_lens.clone(),
-                     sorted(cm.free_blocks.ids()), cm.live_seq_ids())
-            expect(torch.equal(before[0], after[0]) and (before[1] == after[1]).all() and
-                   torch.equal(before[2], after[2]) and before[3:] == after[3:],
+            expect(_same_sharing(before, _sharing_state(cm)),
                    f"{at} raised RequestError ({why}) but changed the tables or the counts first")
         elif op in ("grow", "fork+grow") and a in content:
             if op == "fork+grow":
@@ -103,9 +112,23 @@ def sharing_keeps_counts_and_isolation(block_size, num_blocks, seed, ops):
                     last = cm.blocks_of(x)[-1]
                     writers[last] = writers.get(last, 0) + 1
             copies = sum(w - (w == int(cm.refs[blk])) for blk, w in writers.items())
+            if any(-(-(len(content[x]) + n) // block_size) > row for x in seqs):
+                before = _sharing_state(cm)
+                try:
+                    cm.grow(seqs, n)
+                    raised = False
+                except RequestError:
+                    raised = True
+                at = f"after {', '.join(log)}: grow({seqs}, {n}) with rows of {row} blocks"
+                expect(raised, f"{at} returned normally, but a sequence would outgrow its row: "
+                               f"it must raise RequestError and change nothing")
+                expect(_same_sharing(before, _sharing_state(cm)),
+                       f"{at} raised RequestError but changed the tables, the counts or a "
+                       f"block's contents first (a copy-on-write made before the refusal?)")
+                continue
             try:
                 got = cm.grow(seqs, n)
-            except (OutOfBlocksError, RequestError):
+            except OutOfBlocksError:
                 expect(new + copies > cm.num_free_blocks,
                        f"after {', '.join(log)}: grow({seqs}, {n}) ran out of blocks, but it "
                        f"needs {new} new and {copies} copies with {cm.num_free_blocks} free")
