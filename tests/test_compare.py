@@ -107,3 +107,22 @@ def test_stage_7_gives_the_tokens_and_what_speculation_did(tmp_path):
     stats = reference["stats"]
     assert stats.draft_tokens > 0 and 0 < stats.accepted_tokens <= stats.draft_tokens
     assert figures == []
+
+
+def test_stage_6_runs_its_scenarios_and_shows_a_cow_bug(tmp_path):
+    """Stage 6's scenarios fork, copy-on-write, fill the pool exactly and refuse; a
+    copy-on-write that copies for every sharer (the last writer too) shows in what it returns."""
+    _, reference, figures = compare("6", tmp_path / "nowhere")
+    calls = [c for name, run in reference.items() if name != "samples" for c in run]
+    assert any(c.startswith("fork") and c.endswith("refused: RequestError") for c in calls)
+    assert any(c.endswith("refused: OutOfBlocksError") for c in calls)
+    assert len(figures) == 3
+    start(tmp_path)
+    path = tmp_path / BY_ID["6.cow"].file
+    text = path.read_text()
+    head = text.split("\n# 6.fork")[0]
+    bug = BUGS["cow: copies every sharer, the last writer too"][1]
+    path.write_text(head + "\n" + "\n".join(
+        bug if t == "6.cow" else source_of(BY_ID[t]) for t in ("6.fork", "6.cow", "6.hash")))
+    yours, reference, _ = compare("6", tmp_path, draw=False)
+    assert not isinstance(yours, str) and yours != reference

@@ -7,7 +7,9 @@ side by side, for a one-line notebook cell:
 Stage 2 runs three scenarios (reserve/grow/free, an exact fill of the pool, and refusals that
 must change nothing) and returns, per scenario, each call with what it returned or the error
 that refused it; it draws every scenario's block tables beside its pool
-(`viz.plot_block_tables`), yours first. 3b draws both running softmaxes
+(`viz.plot_block_tables`), yours first. Stage 6 does the same on a SharedCacheManager (forks
+and copy-on-write, an exact fill through shared blocks, refused forks and a grow past a row),
+beside parallel samples (`"samples"`: the tokens of n=2 samples per prompt). 3b draws both running softmaxes
 (`viz.plot_running_softmax`); 5 both timelines (`viz.plot_timeline`); 6b both beam trees
 (`viz.plot_beam_tree`). Stage 7 returns the greedy tokens of the engine with n-gram speculation
 and what speculation did (`{"tokens": ..., "stats": SpeculativeStats}`). The other stages return
@@ -33,6 +35,7 @@ from ..chunked_engine import ChunkedEngine
 from ..engine import Engine
 from ..errors import OutOfBlocksError, RequestError
 from ..online_softmax import paged_attention_v1
+from ..sharing import SharedCacheManager
 from ..speculative import SpeculativeEngine
 from ..viz import plot_beam_tree, plot_block_tables, plot_running_softmax, plot_timeline
 from . import checks
@@ -90,12 +93,25 @@ POOL_SCENARIOS = {
 }
 
 
-def _pools() -> dict:
-    """Stage 2: each scenario of POOL_SCENARIOS on a fresh CacheManager (seed 0)."""
+# stage 6's scenarios, on a SharedCacheManager: the same shape as stage 2's
+SHARING_SCENARIOS = {
+    "fork, then both write: copy-on-write": ((12, 4, 6), [
+        ("reserve", 0, 6), ("fork", 0, 1), ("grow", [0, 1], 1), ("fork", 1, 2),
+        ("grow", [2], 3), ("free", 0)]),
+    "an exact fill through shared blocks": ((6, 4, 6), [
+        ("reserve", 0, 16), ("fork", 0, 1), ("fork", 0, 2), ("grow", [1], 4), ("grow", [2], 4),
+        ("grow", [0], 1)]),
+    "refusals: a fork from a sequence not live, onto a live one, a grow past a row": ((8, 4, 3), [
+        ("reserve", 0, 9), ("fork", 2, 3), ("reserve", 1, 2), ("fork", 0, 1), ("grow", [0], 4),
+        ("free", 1), ("fork", 0, 1), ("grow", [0, 1], 1)]),
+}
+
+
+def _pools(scenarios=POOL_SCENARIOS, manager=CacheManager) -> dict:
+    """Stages 2 and 6: each scenario on a fresh manager (seed 0)."""
     out = {}
-    for name, ((num_blocks, block_size, row), calls) in POOL_SCENARIOS.items():
-        cm = CacheManager(num_blocks, block_size, 1, 1, max_seqs=4, max_blocks_per_seq=row,
-                          seed=0)
+    for name, ((num_blocks, block_size, row), calls) in scenarios.items():
+        cm = manager(num_blocks, block_size, 1, 1, max_seqs=4, max_blocks_per_seq=row, seed=0)
         out[name] = _calls(cm, calls)
     return out
 
@@ -136,8 +152,9 @@ def _run(stage: str):
         engine.run()
         return engine
     if stage == "6":
-        return generate(model, prompts, 5, cache="paged", block_size=4, n=2, temperature=1.0,
-                        stop_tokens=[], backend="torch")
+        samples = generate(model, prompts, 5, cache="paged", block_size=4, n=2, temperature=1.0,
+                           stop_tokens=[], backend="torch")
+        return {"samples": samples, **_pools(SHARING_SCENARIOS, SharedCacheManager)}
     if stage == "7":
         engine = SpeculativeEngine(model, 32, 4, max_num_seqs=4, backend="torch",
                                    speculative="ngram", num_speculative_tokens=3)
@@ -152,7 +169,7 @@ def _run(stage: str):
 
 def _draw(stage: str, result, who: str):
     """The figures of one run; stage 2 draws each scenario's block tables beside the pool."""
-    if stage == "2":
+    if stage in ("2", "6"):
         return [plot_block_tables(run.manager, title=f"{who} blocks: {name}")
                 for name, run in result.items() if isinstance(run, PoolRun)]
     if stage == "3b":
@@ -210,9 +227,11 @@ def compare(stage="2", workspace=None, draw: bool = True) -> Comparison:
                 drawn = _draw(stage, result, who)
                 figures += drawn if isinstance(drawn, list) else [drawn]
         figures = [f for f in figures if f is not None]
-    if stage == "2":
-        yours = yours if isinstance(yours, str) else {k: r.calls for k, r in yours.items()}
-        reference = {k: r.calls for k, r in reference.items()}
+    if stage in ("2", "6"):
+        def calls(run):
+            return {k: r.calls if isinstance(r, PoolRun) else r for k, r in run.items()}
+        yours = yours if isinstance(yours, str) else calls(yours)
+        reference = calls(reference)
     elif stage in ("5", "5b"):
         yours = yours if isinstance(yours, str) else [r.output for r in yours.requests]
         reference = [r.output for r in reference.requests]
