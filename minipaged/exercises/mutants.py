@@ -87,14 +87,14 @@ EQUIVALENT: dict[str, dict[str, str]] = {
                                    "never matches a tail of n >= 1 tokens",
     },
     "7.rollback": {
-        "line 9: deleted `freed = 0`": "the loop over cache.managers sets freed, and a cache has "
+        "line 11: deleted `freed = 0`": "the loop over cache.managers sets freed, and a cache has "
                                        "one manager per layer, so at least one (ModelArgs "
                                        "refuses n_layers < 1)",
-        "line 9: constant 0 -> 1": "the same first value of freed, always overwritten",
-        "line 9: constant 0 -> -1": "the same first value of freed, always overwritten",
-        "line 10: swapped with the next statement `hashes = getattr(cache, 'hashes', {}).get(s)`":
+        "line 11: constant 0 -> 1": "the same first value of freed, always overwritten",
+        "line 11: constant 0 -> -1": "the same first value of freed, always overwritten",
+        "line 12: swapped with the next statement `hashes = getattr(cache, 'hashes', {}).get(s)`":
             "the loop over layers never touches cache.hashes; the names are cut after both",
-        "line 11: swapped with the next statement `if not 0 <= num_tokens <= int(m._lens[s]):`":
+        "line 13: swapped with the next statement `if not 0 <= num_tokens <= int(m._lens[s]):`":
             "reading held and keep changes nothing, so the refusal still comes first",
     },
     "6b.reorder": {
