@@ -242,8 +242,10 @@ def check_new(cm, seq_id) -> int:
 
 
 def check_room(cm, seqs, blocks_after, total: int, unavailable: int = 0) -> None:
-    """Raise, before anything changes, if a table row or the free blocks are too few
-    (`unavailable`: free blocks that this very call will not take from the free set)."""
+    """Raise, before anything changes, if a table row or the free blocks are too few: `seqs`
+    get blocks, `blocks_after[i]` is how many seqs[i] will hold (RequestError past
+    max_blocks_per_seq), `total` the new blocks the call takes from the free set
+    (OutOfBlocksError past the free ones; `unavailable`: free blocks it will not take)."""
     if max(blocks_after) > cm.max_blocks_per_seq:
         too_long = [s for s, k in zip(seqs, blocks_after) if k > cm.max_blocks_per_seq]
         raise RequestError(

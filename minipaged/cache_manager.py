@@ -35,7 +35,9 @@ class FreeBlockSet:
         return len(self._ids)
 
     def take(self, k: int) -> list[int]:
-        """Remove and return k random free block ids (the caller checked that k fit)."""
+        """Remove and return k random free block ids (the caller checked that k fit). Each pick
+        is a uniform index i into the free list (int(rng.random() * len), or rng.randrange(len)),
+        whose id swaps places with the last id and is popped: O(1), and a seed replays."""
         ids, out, rand = self._ids, [], self._rng.random
         for _ in range(k):
             i = int(rand() * len(ids))          # uniform over the free ids (randrange, but faster)
@@ -128,9 +130,11 @@ class CacheManager(ManagerQueries):
         return blocks
 
     def _take(self, k: int) -> list[int]:          # (stage 6 overrides these two)
+        """k blocks out of the free set (stage 6 also counts a reference on each)."""
         return self.free_blocks.take(k)
 
     def _release(self, blocks) -> None:
+        """Blocks back to the free set (stage 6 lowers a count and frees a block at zero)."""
         self.free_blocks.put(blocks)
 
     def block_table_for(self, seq_ids) -> torch.Tensor:

@@ -183,6 +183,7 @@ class ChunkedScheduler(Scheduler):
 
     # -- helpers ---------------------------------------------------------------------------------
     def _budget_left(self, out: ChunkedStep) -> int:
+        """Tokens of max_num_batched_tokens this step has not scheduled yet."""
         return self.max_num_batched_tokens - out.total_tokens
 
     def _free(self, out: ChunkedStep) -> int:
@@ -190,6 +191,7 @@ class ChunkedScheduler(Scheduler):
         return self.cache.num_free_blocks - sum(out.new_blocks.values())
 
     def _schedule(self, out: ChunkedStep, req: Request, n: int, blocks: int) -> None:
+        """Book `n` of req's tokens and the `blocks` new blocks they take into this step."""
         out.num_tokens[req] = n
         out.new_blocks[req] = blocks
 

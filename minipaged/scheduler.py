@@ -89,6 +89,7 @@ class Scheduler:
         self.swapped: deque[Request] = deque()                  # oldest first
 
     def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that `num_tokens` tokens fill: ceil(num_tokens / block_size)."""
         return -(-num_tokens // self.block_size)                # ceil
 
     def check(self, req: Request) -> None:

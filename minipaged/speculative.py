@@ -104,9 +104,14 @@ def accept_sampled(drafts, logits, temperature: float, top_p: float, generator=N
 
 # -- 4. roll back ----------------------------------------------------------------------------------
 def rollback(cache, seq_id: int, num_tokens: int) -> int:
-    """Wind sequence `seq_id` back to its first `num_tokens` tokens in every layer: the length
-    shrinks, and the blocks past ceil(num_tokens / block_size) go back to the pool (a shared
-    block only loses a reference). Returns the blocks per layer given back."""
+    """Wind sequence `seq_id` back to its first `num_tokens` tokens in every layer
+    (`cache.managers`: a stage-6 manager per layer, with stage 2's `_table`, `_held`, `_lens`,
+    `blocks_for` and `_release`): the length shrinks, and the blocks past
+    ceil(num_tokens / block_size) go back to the pool (a shared block only loses a reference).
+    Its prefix-cache names (`cache.hashes[seq_id]`, stage 6: one per full block, in order) are
+    cut to the num_tokens // block_size blocks still full of kept tokens. RequestError,
+    changing nothing, unless 0 <= num_tokens <= its length. Returns the blocks per layer given
+    back."""
     s = int(seq_id)
     freed = 0
     for m in cache.managers:

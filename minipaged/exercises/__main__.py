@@ -114,7 +114,7 @@ def cmd_mutants(what: str, limit: int | None) -> int:
             print(f"  survived: {s}")
         for d, why in equivalent:
             print(f"  equivalent: {d}: {why}")
-    return 0 if worst >= 0.9 else 1
+    return 0 if worst >= 0.95 else 1
 
 
 def main(argv=None) -> int:

@@ -1,16 +1,23 @@
-"""`compare(stage, workspace)`: a stage's small example run on the learner's code and on the
-package's, side by side, for a one-line notebook cell:
+"""`compare(stage)`: a stage's small examples run on the learner's code and on the package's,
+side by side, for a one-line notebook cell:
 
     from minipaged.exercises import compare
-    yours, reference, figures = compare("2", "workspace")
+    yours, reference, figures = compare("2")    # workspace/ here or in the folder above
 
-Stage 2 draws both pools (`viz.plot_pool`: your blocks, the reference's blocks); 3b both
-running softmaxes (`viz.plot_running_softmax`); 5 both timelines (`viz.plot_timeline`); 6b both
-beam trees (`viz.plot_beam_tree`). Stage 7 returns the greedy tokens of the engine with n-gram
-speculation and what speculation did (`{"tokens": ..., "stats": SpeculativeStats}`). The other
-stages return what they produce (tokens, outputs, a KVWaste) with no figure. A function the workspace leaves unwritten makes `yours` the sentence
-that says so; so does a workspace folder that does not exist (then only the reference runs and
-only its figure is drawn: nothing of the package's is passed off as yours).
+Stage 2 runs three scenarios (reserve/grow/free, an exact fill of the pool, and refusals that
+must change nothing) and returns, per scenario, each call with what it returned or the error
+that refused it; it draws every scenario's block tables beside its pool
+(`viz.plot_block_tables`), yours first. Stage 6 does the same on a SharedCacheManager (forks
+and copy-on-write, an exact fill through shared blocks, refused forks and a grow past a row),
+beside parallel samples (`"samples"`: the tokens of n=2 samples per prompt). 3b draws both running softmaxes
+(`viz.plot_running_softmax`); 5 both timelines (`viz.plot_timeline`); 6b both beam trees
+(`viz.plot_beam_tree`). Stage 7 returns the greedy tokens of the engine with n-gram speculation
+and what speculation did (`{"tokens": ..., "stats": SpeculativeStats}`). The other stages return
+what they produce (tokens, outputs, a KVWaste) with no figure.
+
+`yours` is a sentence instead when the workspace has no folder, leaves a function unwritten,
+or raises (the error and your line that raised it): then only the reference runs and is drawn,
+so nothing of the package's is passed off as yours.
 """
 
 from __future__ import annotations
@@ -26,11 +33,13 @@ from ..beams import BeamSearch
 from ..cache_manager import CacheManager
 from ..chunked_engine import ChunkedEngine
 from ..engine import Engine
+from ..errors import OutOfBlocksError, RequestError
 from ..online_softmax import paged_attention_v1
+from ..sharing import SharedCacheManager
 from ..speculative import SpeculativeEngine
-from ..viz import plot_beam_tree, plot_pool, plot_running_softmax, plot_timeline
+from ..viz import plot_beam_tree, plot_block_tables, plot_running_softmax, plot_timeline
 from . import checks
-from .grader import load_workspace_file, stand_in
+from .grader import raised_where, load_workspace_file, stand_in
 from .tasks import STAGES, select
 
 
@@ -52,20 +61,64 @@ def learner(stage: str, workspace):
         yield
 
 
-def _pool():
-    """Stage 2: a CacheManager after requests were reserved, grew, and one was freed."""
-    cm = CacheManager(24, 4, 1, 1, max_seqs=4, max_blocks_per_seq=24, seed=0)
-    for s, n in enumerate((9, 14, 5)):
-        cm.reserve(s, n)
-    cm.grow([0, 2], 6)
-    cm.free(1)
-    cm.reserve(3, 11)
-    return cm
+class PoolRun(NamedTuple):
+    """Stage 2's result for one scenario: the manager after it, and each call with what it
+    returned (or the error that refused it)."""
+    manager: CacheManager
+    calls: list
+
+
+def _calls(cm, calls) -> PoolRun:
+    """Run (method, *args) calls on `cm`, recording each result or refusal in a line."""
+    out = []
+    for name, *args in calls:
+        shown = f"{name}({', '.join(map(str, args))})"
+        try:
+            out.append(f"{shown} -> {getattr(cm, name)(*args)}")
+        except (OutOfBlocksError, RequestError) as e:
+            out.append(f"{shown} -> refused: {type(e).__name__}")
+    return PoolRun(cm, out)
+
+
+# stage 2's scenarios: (pool: num_blocks, block_size, max_blocks_per_seq), the calls
+POOL_SCENARIOS = {
+    "reserve, grow, free, reserve again": ((24, 4, 24), [
+        ("reserve", 0, 9), ("reserve", 1, 14), ("reserve", 2, 5), ("grow", [0, 2], 6),
+        ("free", 1), ("reserve", 3, 11)]),
+    "an exact fill: every block full": ((12, 4, 6), [
+        ("reserve", 0, 18), ("reserve", 1, 16), ("reserve", 2, 10), ("grow", [0, 2], 2)]),
+    "refusals: too few blocks, a row too short, ids not live or live already": ((8, 4, 4), [
+        ("reserve", 0, 14), ("reserve", 1, 9), ("reserve", 2, 7), ("grow", [1], 8),
+        ("grow", [3], 1), ("reserve", 1, 4), ("free", 0), ("free", 0), ("reserve", 2, 7)]),
+}
+
+
+# stage 6's scenarios, on a SharedCacheManager: the same shape as stage 2's
+SHARING_SCENARIOS = {
+    "fork, then both write: copy-on-write": ((12, 4, 6), [
+        ("reserve", 0, 6), ("fork", 0, 1), ("grow", [0, 1], 1), ("fork", 1, 2),
+        ("grow", [2], 3), ("free", 0)]),
+    "an exact fill through shared blocks": ((6, 4, 6), [
+        ("reserve", 0, 16), ("fork", 0, 1), ("fork", 0, 2), ("grow", [1], 4), ("grow", [2], 4),
+        ("grow", [0], 1)]),
+    "refusals: a fork from a sequence not live, onto a live one, a grow past a row": ((8, 4, 3), [
+        ("reserve", 0, 9), ("fork", 2, 3), ("reserve", 1, 2), ("fork", 0, 1), ("grow", [0], 4),
+        ("free", 1), ("fork", 0, 1), ("grow", [0, 1], 1)]),
+}
+
+
+def _pools(scenarios=POOL_SCENARIOS, manager=CacheManager) -> dict:
+    """Stages 2 and 6: each scenario on a fresh manager (seed 0)."""
+    out = {}
+    for name, ((num_blocks, block_size, row), calls) in scenarios.items():
+        cm = manager(num_blocks, block_size, 1, 1, max_seqs=4, max_blocks_per_seq=row, seed=0)
+        out[name] = _calls(cm, calls)
+    return out
 
 
 def _walk():
     """Stage 3b: one row of 10 keys in blocks of 3, walked by paged_attention_v1 with a trace."""
-    (q, k, v, k_cache, v_cache, table, _, _) = checks._paged_case(3, 1, 2, 1, [7], 3, seed=5)
+    (q, k, v, k_cache, v_cache, table, _, _) = checks.stage3._paged_case(3, 1, 2, 1, [7], 3, seed=5)
     for t in range(3):
         p = 7 + t
         k_cache[int(table[0, p // 3]), p % 3], v_cache[int(table[0, p // 3]), p % 3] = k[0, t], v[0, t]
@@ -76,13 +129,13 @@ def _walk():
 
 
 def _run(stage: str):
-    model, prompts = checks.tiny_model(), checks.prompts_of((3, 9, 14))
+    model, prompts = checks.common.tiny_model(), checks.common.prompts_of((3, 9, 14))
     if stage == "1":
         return generate(model, prompts, 6, cache="contiguous", stop_tokens=[])
     if stage == "2":
-        return _pool()
+        return _pools()
     if stage == "3":
-        cache = checks._CallPerLayer(model.args, 64, 4, 3, model.args.max_seq_len,
+        cache = checks.stage3._CallPerLayer(model.args, 64, 4, 3, model.args.max_seq_len,
                                      dtype=torch.float64)
         return generate(model, prompts, 6, cache=cache, stop_tokens=[])
     if stage == "3b":
@@ -99,12 +152,13 @@ def _run(stage: str):
         engine.run()
         return engine
     if stage == "6":
-        return generate(model, prompts, 5, cache="paged", block_size=4, n=2, temperature=1.0,
-                        stop_tokens=[], backend="torch")
+        samples = generate(model, prompts, 5, cache="paged", block_size=4, n=2, temperature=1.0,
+                           stop_tokens=[], backend="torch")
+        return {"samples": samples, **_pools(SHARING_SCENARIOS, SharedCacheManager)}
     if stage == "7":
         engine = SpeculativeEngine(model, 32, 4, max_num_seqs=4, backend="torch",
                                    speculative="ngram", num_speculative_tokens=3)
-        for p in checks._repetitive_prompts():
+        for p in checks.stage7._repetitive_prompts():
             engine.add_request(p, 10, stop_tokens=[])
         return {"tokens": [r.output for r in engine.run()], "stats": engine.spec}
     search = BeamSearch(model, prompts[1], 3, 5, cache="paged", block_size=2, stop_tokens=[],
@@ -114,8 +168,10 @@ def _run(stage: str):
 
 
 def _draw(stage: str, result, who: str):
-    if stage == "2":
-        return plot_pool([result], titles=[f"{who} blocks"])
+    """The figures of one run; stage 2 draws each scenario's block tables beside the pool."""
+    if stage in ("2", "6"):
+        return [plot_block_tables(run.manager, title=f"{who} blocks: {name}")
+                for name, run in result.items() if isinstance(run, PoolRun)]
     if stage == "3b":
         fig = plot_running_softmax(result[1])
         fig.suptitle(f"{who} online-softmax walk", fontsize=10, x=0.01, ha="left")
@@ -128,29 +184,55 @@ def _draw(stage: str, result, who: str):
     return None
 
 
-def compare(stage="2", workspace="workspace", draw: bool = True) -> Comparison:
-    """Run stage `stage`'s example on the workspace's functions and on the package's."""
+def find_workspace(workspace=None) -> Path:
+    """The workspace folder: the one given, else `workspace/` in the current folder or the one
+    above it (a notebook runs in notebooks/, a script in the repository root)."""
+    if workspace is not None:
+        return Path(workspace)
+    here = Path.cwd()
+    for folder in (here / "workspace", here.parent / "workspace"):
+        if folder.is_dir():
+            return folder
+    return Path("workspace")
+
+
+def _yours(stage: str, workspace: Path, given: bool):
+    """The stage's run on the workspace's functions, or the sentence that says why not."""
+    if not workspace.is_dir():
+        where = workspace if given else "workspace/ (looked here and in the folder above)"
+        return (f"no workspace at {where}: run `python -m minipaged.exercises start` from the "
+                f"repository root, write stage {stage}'s tasks, and run this again; only the "
+                f"reference is shown")
+    try:
+        with learner(stage, workspace):
+            return _run(stage)
+    except NotImplementedError as e:
+        return str(e)
+    except Exception as e:                      # the learner's code broke: one sentence
+        return f"your code raised {raised_where(e)}; the reference's run is shown beside it"
+
+
+def compare(stage="2", workspace=None, draw: bool = True) -> Comparison:
+    """Run stage `stage`'s example on the workspace's functions and on the package's.
+    `workspace`: a folder, or None for `workspace/` here or in the folder above."""
     stage = str(stage)
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {' '.join(STAGES)}, not {stage!r}")
-    if not Path(workspace).is_dir():
-        yours = (f"no workspace at {workspace}: run `python -m minipaged.exercises start` from the "
-                 f"repository root, write stage {stage}'s tasks, and run this again; "
-                 f"only the reference is shown")
-    else:
-        try:
-            with learner(stage, workspace):
-                yours = _run(stage)
-        except NotImplementedError as e:
-            yours = str(e)
+    yours = _yours(stage, find_workspace(workspace), workspace is not None)
     reference = _run(stage)
     figures = []
     if draw:
-        if not isinstance(yours, str):
-            figures.append(_draw(stage, yours, "your"))
-        figures.append(_draw(stage, reference, "the reference's"))
+        for result, who in ((yours, "your"), (reference, "the reference's")):
+            if not isinstance(result, str):
+                drawn = _draw(stage, result, who)
+                figures += drawn if isinstance(drawn, list) else [drawn]
         figures = [f for f in figures if f is not None]
-    if stage in ("5", "5b"):
+    if stage in ("2", "6"):
+        def calls(run):
+            return {k: r.calls if isinstance(r, PoolRun) else r for k, r in run.items()}
+        yours = yours if isinstance(yours, str) else calls(yours)
+        reference = calls(reference)
+    elif stage in ("5", "5b"):
         yours = yours if isinstance(yours, str) else [r.output for r in yours.requests]
         reference = [r.output for r in reference.requests]
     elif stage == "6b":

@@ -168,14 +168,14 @@ def run_check(check, task, seconds_limit: float | None = 60.0) -> Outcome:
     except CheckFailed as e:
         msg, notes = str(e), getattr(e, "__notes__", [])
     except Exception as e:                              # the learner's code raised
-        msg, notes = _where(e), getattr(e, "__notes__", [])
+        msg, notes = raised_where(e), getattr(e, "__notes__", [])
     example = _falsifying(report.getvalue() + "\n" + "\n".join(map(str, notes)))
     if example:
         msg += "\n    the input it failed on (shrunk to the smallest found):\n" + example
     return Outcome(check.__name__, False, msg, time.perf_counter() - start)
 
 
-def _where(e: BaseException) -> str:
+def raised_where(e: BaseException) -> str:
     """`ValueError: ... (at your line 12: x = y[3])` — the innermost frame of the workspace,
     or of the package, in one line."""
     frames = traceback.extract_tb(e.__traceback__)

@@ -2,7 +2,10 @@
 
 Each mutant changes one thing in the reference's syntax tree: a comparison flipped (< and <=,
 == and !=, ...), an arithmetic operator swapped (+ and -, * and //, ...), an integer constant
-moved by one, a boolean negated (and/or swapped), or one statement deleted. A mutant is
+moved by one, a boolean negated (and/or swapped), one statement deleted, two neighbouring
+statements swapped where one touches what the other does (a check moved after the work it
+guards), or a call skipped (replaced by
+one of its arguments: `check_new(self, seq_id)` -> `seq_id`, `self.blocks_for(n)` -> `n`). A mutant is
 compiled in the reference module's namespace and stands in for the reference while the task's
 checks run: a mutant that makes a check fail (or raise, or hang) is killed. A survivor that
 cannot change behaviour is listed in EQUIVALENT with the reason.
@@ -18,7 +21,7 @@ import time
 
 from . import checks
 from .grader import run_check, stand_in
-from .stubs import function_node, module_of, source_of
+from .stubs import module_of, source_of
 from .tasks import Task
 
 COMPARE = {ast.Lt: [ast.LtE, ast.Gt], ast.LtE: [ast.Lt, ast.GtE], ast.Gt: [ast.GtE, ast.Lt],
@@ -30,7 +33,17 @@ ARITH = {ast.Add: [ast.Sub], ast.Sub: [ast.Add], ast.Mult: [ast.FloorDiv, ast.Ad
 
 # task id -> {mutant description: why it cannot change what the function does}
 EQUIVALENT: dict[str, dict[str, str]] = {
+    "4.split": {
+        "line 10: swapped with the next statement `used_some_day = np.minimum(allocated, final)`":
+            "np.minimum of the lists gives the same numbers as of the int64 arrays",
+    },
+    "2.free": {
+        "line 5: swapped with the next statement `self._table[s, :self._held[s]] = PAD_BLOCK`":
+            "`blocks` is a list copied from the row before either runs",
+    },
     "5.admit": {
+        "line 5: swapped with the next statement `need = self.blocks_for(req.num_tokens)`":
+            "`self.group(req)` and `self.blocks_for(...)` only read the scheduler",
         "line 7: `Sub` -> `Add` in `self.max_num_seqs - len(self.running)`":
             "the engine builds its cache with max_num_seqs rows, and a swapped request keeps its "
             "row, so len(free_rows) <= max_num_seqs - len(running) always: the min is free_rows "
@@ -40,6 +53,11 @@ EQUIVALENT: dict[str, dict[str, str]] = {
         "line 6: `Gt` -> `GtE` in `n > 0`": "at n = 0 one more pass sets n below 0, which "
                                             "ends the loop, and max(n, 0) returns 0 as before",
         "line 6: constant 0 -> -1": "`n > -1` is `n >= 0`: the same as the entry above",
+    },
+    "6.fork": {
+        "line 5: swapped with the next statement `self.refs[self._table[p, :k]] += 1`":
+            "the counts are raised through the parent's row, which the copy into the child's "
+            "row does not change",
     },
     "6.cow": {
         "line 4: `LtE` -> `Lt` in `self.refs.max(initial=0) <= 1`":
@@ -69,18 +87,83 @@ EQUIVALENT: dict[str, dict[str, str]] = {
                                    "never matches a tail of n >= 1 tokens",
     },
     "7.rollback": {
-        "line 6: deleted `freed = 0`": "the loop over cache.managers sets freed, and a cache has "
+        "line 11: deleted `freed = 0`": "the loop over cache.managers sets freed, and a cache has "
                                        "one manager per layer, so at least one (ModelArgs "
                                        "refuses n_layers < 1)",
-        "line 6: constant 0 -> 1": "the same first value of freed, always overwritten",
-        "line 6: constant 0 -> -1": "the same first value of freed, always overwritten",
+        "line 11: constant 0 -> 1": "the same first value of freed, always overwritten",
+        "line 11: constant 0 -> -1": "the same first value of freed, always overwritten",
+        "line 12: swapped with the next statement `hashes = getattr(cache, 'hashes', {}).get(s)`":
+            "the loop over layers never touches cache.hashes; the names are cut after both",
+        "line 13: swapped with the next statement `if not 0 <= num_tokens <= int(m._lens[s]):`":
+            "reading held and keep changes nothing, so the refusal still comes first",
+    },
+    "6b.reorder": {
+        "line 3: swapped with the next statement `for i, b in enumerate(self.beams):`":
+            "only the contiguous cache takes the first branch, and there copy_rows rewrites "
+            "every row it keeps: freeing the pruned rows first changes nothing it reads",
     },
     "3b.walk": {
+        "line 13: swapped with the next statement `m = torch.full((R,), float('-inf'), dtype=work, device=rows.`":
+            "`m` reads only rows.device, which `rows.to(work)` does not change",
         "line 2: constant 0 -> 1": "`who=(0, 0)` is a default no caller relies on: it only "
                                    "labels trace steps, and every caller that traces passes it",
         "line 2: constant 0 -> -1": "the same default of `who`, never used unlabelled",
     },
 }
+
+
+def _root(node) -> str:
+    """`self._table[s, :k]` -> 'self._table', `blocks` -> 'blocks': what an expression names."""
+    while isinstance(node, (ast.Subscript, ast.Starred)):
+        node = node.value
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return f"{node.value.id}.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+# modules whose functions the references call without changing their arguments, and methods
+# that only read their object
+PURE_MODULES = {"torch", "np", "math", "random"}
+READ_ONLY_METHODS = {"sum", "to", "max", "min", "tolist", "numpy", "clone", "view", "reshape",
+                     "long", "float", "double", "item", "index_select", "gather", "masked_fill",
+                     "get", "nonzero", "all", "any", "exp", "size", "float", "int", "copy",
+                     "unsqueeze", "expand", "narrow", "flatten", "argmax", "keys", "values",
+                     "items"}
+
+
+def _touches(stmt):
+    """(what a statement writes, what it reads), as roots. A method call may change its object
+    (a method of self: anything of self, 'self.*'), a plain function call anything it is given;
+    the functions of PURE_MODULES and READ_ONLY_METHODS change nothing."""
+    writes, reads = set(), set()
+    for n in ast.walk(stmt):
+        if isinstance(n, (ast.Name, ast.Attribute, ast.Subscript)):
+            root = _root(n)
+            if root:
+                (writes if isinstance(getattr(n, "ctx", None), (ast.Store, ast.Del)) else
+                 reads).add(root)
+        if isinstance(n, ast.Call):
+            if isinstance(n.func, ast.Name):
+                given = {_root(a) for a in n.args}
+            elif n.func.attr in READ_ONLY_METHODS or _root(n.func.value) in PURE_MODULES:
+                given = set()
+            else:
+                given = {_root(n.func.value)}
+            writes |= {g for g in given if g}
+            if "self" in given:
+                writes.add("self.*")
+    return writes, reads
+
+
+def _dependent(a, b) -> bool:
+    """Whether swapping statements a and b can change anything: one writes what the other
+    reads or writes (statements that touch different arrays are not mutated by a swap)."""
+    (wa, ra), (wb, rb) = _touches(a), _touches(b)
+
+    def clash(w, other):
+        return any(x == y or "self.*" in (x, y) and (x.startswith("self") and y.startswith("self"))
+                   for x in w for y in other)
+    return clash(wa, rb | wb) or clash(wb, ra)
 
 
 def _sites(tree):
@@ -108,6 +191,13 @@ def _sites(tree):
                         f"`{ast.unparse(n)[:60]}`", (i, "bool", 0, new)))
         elif isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not):
             out.append((f"line {line}: `not` dropped in `{ast.unparse(n)[:60]}`", (i, "not", 0, None)))
+        if isinstance(n, ast.Call) and not isinstance(n.func, ast.Name) or \
+                isinstance(n, ast.Call) and n.func.id not in ("range", "len", "int", "list",
+                                                              "zip", "min", "max", "sum"):
+            for k, a in enumerate(n.args):
+                if isinstance(a, ast.Name) and a.id != "self":
+                    out.append((f"line {line}: `{ast.unparse(n)[:60]}` -> `{a.id}` (the call "
+                                f"skipped)", (i, "unwrap", k, None)))
         if isinstance(n, (ast.FunctionDef, ast.For, ast.While, ast.If, ast.With)):
             for field in ("body", "orelse"):
                 stmts = getattr(n, field, None) or []
@@ -117,6 +207,10 @@ def _sites(tree):
                         continue                             # the docstring
                     out.append((f"line {s.lineno - func.lineno + 1}: deleted "
                                 f"`{ast.unparse(s).splitlines()[0][:60]}`", (i, "del", (field, k), None)))
+                    if k + 1 < len(stmts) and _dependent(s, stmts[k + 1]):
+                        out.append((f"line {s.lineno - func.lineno + 1}: swapped with the next "
+                                    f"statement `{ast.unparse(stmts[k + 1]).splitlines()[0][:60]}`",
+                                    (i, "swap", (field, k), None)))
     return out
 
 
@@ -143,6 +237,20 @@ def _apply(tree, site):
                 for j, x in enumerate(v):
                     if x is n:
                         v[j] = n.operand
+    elif kind == "unwrap":
+        parent = next(p for p in ast.walk(tree) for f, v in ast.iter_fields(p)
+                      if v is n or (isinstance(v, list) and any(x is n for x in v)))
+        for f, v in ast.iter_fields(parent):
+            if v is n:
+                setattr(parent, f, n.args[arg])
+            elif isinstance(v, list):
+                for j, x in enumerate(v):
+                    if x is n:
+                        v[j] = n.args[arg]
+    elif kind == "swap":
+        field, k = arg
+        stmts = getattr(n, field)
+        stmts[k], stmts[k + 1] = stmts[k + 1], stmts[k]
     elif kind == "del":
         field, k = arg
         stmts = getattr(n, field)
@@ -169,17 +277,31 @@ def mutants(task: Task):
     return out
 
 
-def kills(task: Task, fn, seconds_limit: float = 6.0) -> str | None:
-    """The first check that fails with `fn` standing in (its sentence), or None if all pass."""
-    checks.SHRINK = False
+def time_limits(task: Task) -> list[float]:
+    """Seconds each of the task's checks may run on a mutant: ten times what it takes on the
+    reference (at least 1 s), so that a mutant that loops forever is stopped soon."""
+    out = []
+    for check in task.checks:
+        start = time.perf_counter()
+        run_check(check, task, None)
+        out.append(max(1.0, 10 * (time.perf_counter() - start)))
+    return out
+
+
+def kills(task: Task, fn, seconds_limit=6.0) -> str | None:
+    """The first check that fails with `fn` standing in (its sentence), or None if all pass.
+    `seconds_limit`: one limit for every check, or a list of one per check."""
+    limits = seconds_limit if isinstance(seconds_limit, list) else \
+        [seconds_limit] * len(task.checks)
+    checks.common.SHRINK = False
     try:
         with stand_in(task.target, fn):
-            for check in task.checks:
-                outcome = run_check(check, task, seconds_limit)
+            for check, limit in zip(task.checks, limits):
+                outcome = run_check(check, task, limit)
                 if not outcome.passed:
                     return f"{check.__name__}: {outcome.message.splitlines()[0]}"
     finally:
-        checks.SHRINK = True
+        checks.common.SHRINK = True
     return None
 
 
@@ -192,8 +314,9 @@ def score(task: Task, limit: int | None = None, seed: int = 0, progress=None):
     killed, survivors, equivalent = 0, [], []
     start = time.perf_counter()
     known = EQUIVALENT.get(task.id, {})
+    limits = time_limits(task)
     for desc, fn in chosen:
-        reason = kills(task, fn)
+        reason = kills(task, fn, limits)
         if reason:
             killed += 1
         elif desc in known:

@@ -69,27 +69,85 @@ def shape_hints(task: Task) -> list[str]:
     return hints
 
 
+def _assignment(owner: type, name: str) -> str:
+    """The line of the class's (or a base's) __init__ that sets `self.name`, as written."""
+    for cls in owner.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None or not hasattr(init, "__code__"):
+            continue
+        try:
+            lines = textwrap.dedent(inspect.getsource(init)).splitlines()
+        except (OSError, TypeError):
+            continue
+        for ln in lines:
+            code = ln.split("#")[0]
+            targets = code.split("=")[0].split(",") if "=" in code else []
+            if any(x.split(":")[0].strip() == f"self.{name}" for x in targets):
+                return " ".join(ln.split())
+    return ""
+
+
+def _signature(fn) -> str:
+    """`(cm, seq_id, unique: bool = False) -> np.ndarray`: annotations as written, unquoted."""
+    try:
+        return str(inspect.signature(fn)).replace("'", "")
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _doc(value) -> str:
+    """A docstring's first paragraph, on one line."""
+    doc = inspect.getdoc(value) or ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
 def self_helpers(task: Task) -> list[str]:
-    """`self.name(...)`: first docstring line, for each method or attribute of the class that
-    the reference reads through `self` (a learner needs to know they exist)."""
+    """What the reference reads through `self`, each with what it is: a method's signature and
+    docstring, an attribute's line in __init__ (a learner needs to know they exist and what
+    they take, without opening the file that holds the answer)."""
     owner, attr, _ = resolve(task.target)
     if not isinstance(owner, type):
         return []
     names = []
     for n in ast.walk(function_node(source_of(task))):
         if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and \
-                n.value.id == "self" and n.attr not in names:
+                n.value.id == "self" and n.attr not in names and n.attr != attr:
             names.append(n.attr)
     out = []
     for name in names:
         value = inspect.getattr_static(owner, name, None)
-        if callable(value) or isinstance(value, (property, staticmethod)):
-            doc = (inspect.getdoc(getattr(owner, name)) or "").split("\n")[0]
-            kind = "" if isinstance(value, property) else "()"
-            out.append(f"self.{name}{kind}: {doc}" if doc else f"self.{name}{kind}")
+        if isinstance(value, property):
+            out.append(f"self.{name} (a property): {_doc(value)}")
+        elif callable(value) or isinstance(value, staticmethod):
+            fn = getattr(owner, name)
+            sig = _signature(fn).replace("(self, ", "(").replace("(self)", "()")
+            out.append(f"self.{name}{sig}: {_doc(fn)}")
         else:
-            out.append(f"self.{name}")
+            line = _assignment(owner, name)
+            out.append(f"self.{name}: set in __init__ as `{line}`" if line else f"self.{name}")
     return out
+
+
+def global_helpers(task: Task) -> list[str]:
+    """The package's functions, classes and constants the reference calls, each with its
+    signature and what it does (the stub file imports them)."""
+    out = []
+    for name in used_globals(task):
+        value = vars(module_of(task))[name]
+        if isinstance(value, types.ModuleType):
+            continue
+        if callable(value):
+            out.append(f"{name}{_signature(value)}: {_doc(value)}")
+        else:
+            out.append(f"{name} = {value!r}")
+    return out
+
+
+def _comment(text: str, indent: str, width: int = 96) -> list[str]:
+    """`text` as comment lines of at most `width` characters, later lines indented."""
+    return [indent + ln for ln in textwrap.wrap(text, width - len(indent),
+                                                initial_indent="#   ",
+                                                subsequent_indent="#       ")]
 
 
 def stub(task: Task) -> str:
@@ -105,10 +163,16 @@ def stub(task: Task) -> str:
         head = lines[node.decorator_list[0].lineno - 1 - (node.decorator_list[0].lineno - 1):end]
     indent = " " * (len(lines[first_body.lineno - 1]) - len(lines[first_body.lineno - 1].lstrip()))
     out = list(head)
+    helpers = global_helpers(task)
+    if helpers:
+        out.append(f"{indent}# you may call (imported at the top of this file):")
+        for h in helpers:
+            out += _comment(h, indent)
     helpers = self_helpers(task)
     if helpers:
-        out.append(f"{indent}# helpers of the class the reference calls (read them in {module_of(task).__name__}):")
-        out += [f"{indent}#   {h}" for h in helpers]
+        out.append(f"{indent}# what the class gives you (through self):")
+        for h in helpers:
+            out += _comment(h, indent)
     hints = shape_hints(task)
     if hints:
         out.append(f"{indent}# shapes the reference works with:")
