@@ -124,7 +124,7 @@ def load_tokenizer(path=None):
                              "(tiktoken format) or a folder holding one.")
     if path.is_dir():
         for file in (path / "tokenizer.model", path / "original" / "tokenizer.model"):
-            if file.is_file():
+            if file.exists():         # a FIFO or a folder of that name: Tokenizer says so
                 return Tokenizer(file)
         if any(path.glob("*.gguf")):
             return _gguf_tokenizer(path)

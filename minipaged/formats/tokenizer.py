@@ -47,7 +47,9 @@ def read_ranks(path):
     path = Path(path)
     expected = "a tiktoken BPE file (lines of `base64(token) rank`, like Llama 3's tokenizer.model)"
     if not path.is_file():
-        raise TokenizerError(f"{path} is not a file; expected {expected}.")
+        what = "does not exist" if not path.exists() else \
+            "is a folder" if path.is_dir() else "is not a regular file (a FIFO or a device)"
+        raise TokenizerError(f"{path} {what}; expected {expected}.")
     data = path.read_bytes()
     if not data.strip():
         raise TokenizerError(f"{path} is empty; expected {expected}.")
