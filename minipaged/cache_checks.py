@@ -13,7 +13,7 @@ import numbers
 import numpy as np
 import torch
 
-from .checks import check_id, check_ids, check_sizes
+from .checks import check_device, check_id, check_ids, check_sizes
 from .errors import NotEnoughMemoryError, OutOfBlocksError, RequestError, UsageError
 
 
@@ -86,7 +86,12 @@ def check_pool(num_blocks, block_size, n_kv_heads, head_dim, max_seqs, max_block
     for a PagedCache's `n_layers` pools, before any is allocated."""
     per_layer = pool_bytes(num_blocks, block_size, n_kv_heads, head_dim, max_seqs,
                            max_blocks_per_seq, dtype, kv_bytes_per_token)
+    check_device(device, dtype)                   # an integer KV pool cannot be attended over
     block = block_size * kv_bytes_per_token(n_kv_heads, head_dim, dtype, n_layers or 1)
+    if per_layer > 2 * num_blocks * block // (n_layers or 1):    # mostly block tables
+        check_memory((n_layers or 1) * per_layer, device,
+                     f"block tables for {max_seqs:,} sequences of up to {max_blocks_per_seq:,} "
+                     f"blocks each (beside {num_blocks:,} blocks of {block_size:,} tokens)")
     if n_layers is None:
         check_memory(per_layer, device, f"a pool of {num_blocks:,} blocks of {block_size:,} tokens",
                      block, f"blocks of {block_size:,} tokens")

@@ -13,6 +13,7 @@ import torch
 from conftest import tiny_model
 
 from minipaged import Engine, beam_search, generate, load_model
+from minipaged.cache_manager import CacheManager
 from minipaged.errors import MiniPagedError, NotEnoughMemoryError, RequestError, UsageError
 from minipaged.sharing import SharedPagedCache
 
@@ -241,3 +242,13 @@ def test_load_model_on_cuda_loads_or_says_there_is_no_gpu():
         assert next(load_model(device="cuda").parameters()).is_cuda
     else:
         refused(lambda: load_model(device="cuda"), "device='cuda'", "GPU", "device='cpu'")
+
+
+def test_a_cache_manager_of_integers_or_of_huge_block_tables_is_refused_by_name():
+    """An int64 pool was accepted (and failed later, in attention); 2**40 sequences were
+    refused as "a pool of 8 blocks of 4 tokens needs 16.0 TiB ... room for 46 million blocks":
+    the 16 TiB are the block tables, and more blocks would not help."""
+    refused(lambda: CacheManager(8, 4, 2, 8, max_seqs=4, max_blocks_per_seq=4,
+                                 dtype=torch.int64), "dtype", "floating-point")
+    refused(lambda: CacheManager(8, 4, 2, 8, max_seqs=2**40, max_blocks_per_seq=4),
+            "block tables for 1,099,511,627,776 sequences", "16.0 TiB")
