@@ -75,9 +75,9 @@ def test_a_closed_standard_output_is_one_error_line_before_any_work(argv):
         "it with its output going to a terminal, a file, a pipe or /dev/null"], r.stderr
 
 
-@pytest.mark.parametrize("cache", ["/dev/null/tiktoken", "/proc/tiktoken"])
-def test_a_tiktoken_cache_that_cannot_be_created_is_not_needed(cache):
-    """The tokenizer file is read from disk; tiktoken's download cache is never written."""
+def test_a_tiktoken_cache_that_cannot_be_created_is_not_needed():
+    """The tokenizer file is read from disk; tiktoken's download cache is never written (a
+    folder that cannot be made there was a FileNotFoundError traceback)."""
     r = subprocess.run([sys.executable, *CHAT, "--prompt", "hi"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300, env=env(TIKTOKEN_CACHE_DIR=cache))
+                       text=True, timeout=300, env=env(TIKTOKEN_CACHE_DIR="/proc/tiktoken"))
     assert r.returncode == 0 and not r.stderr.strip() and r.stdout.strip(), r.stderr
