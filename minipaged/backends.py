@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache_checks import check_attention_inputs, check_implemented
+from .errors import UsageError
 
 try:  # optional: the CUDA kernel, `pip install flash-attn --no-build-isolation`
     import flash_attn
@@ -107,20 +108,21 @@ def paged_form(q, k_cache, cache_seqlens, cache_batch_idx, block_table):
 
 def pick_backend(backend: str, q, k_cache, block_table, why_auto_not: str | None = None) -> str:
     """The implementation that serves a call with `backend=backend`: "auto" is flash-attn's
-    kernel where it can serve the call, else "torch". Raises ValueError, with the reason, for a
-    backend that does not exist or cannot serve the call. Sets `last_backend`. `why_auto_not`:
-    a caller that chose `backend` for "auto" says why flash-attn's kernel was not used."""
+    kernel where it can serve the call, else "torch". Raises UsageError (a ValueError), with the
+    reason, for a backend that does not exist or cannot serve the call. Sets `last_backend`.
+    `why_auto_not`: a caller that chose `backend` for "auto" says why flash-attn's kernel was
+    not used."""
     global last_backend
     if backend not in available_backends():
-        raise ValueError(f"backend must be one of {', '.join(map(repr, available_backends()))}, "
+        raise UsageError(f"backend must be one of {', '.join(map(repr, available_backends()))}, "
                          f"not {backend!r}")
     why_not = why_not_flash(q, k_cache, block_table)
     if backend == "flash_attn" and why_not:
-        raise ValueError(f"backend='flash_attn' cannot serve this call: {why_not}")
+        raise UsageError(f"backend='flash_attn' cannot serve this call: {why_not}")
     name = "flash_attn" if backend == "flash_attn" or (backend == "auto" and not why_not) \
         else "torch" if backend == "auto" else backend
     if name not in ("flash_attn", "torch") and (refusal := BACKENDS[name].why_not(q, k_cache)):
-        raise ValueError(f"backend={name!r} cannot serve this call: {refusal}")
+        raise UsageError(f"backend={name!r} cannot serve this call: {refusal}")
     last_backend = name
     _announce(name, why_not if backend == "auto" and name == "torch" else why_auto_not, q.is_cuda)
     return name

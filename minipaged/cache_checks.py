@@ -13,8 +13,8 @@ import numbers
 import numpy as np
 import torch
 
-from .checks import check_id, check_ids, check_sizes
-from .errors import NotEnoughMemoryError, OutOfBlocksError, RequestError
+from .checks import check_device, check_id, check_ids, check_sizes
+from .errors import NotEnoughMemoryError, OutOfBlocksError, RequestError, UsageError
 
 
 # -- memory --------------------------------------------------------------------------------------
@@ -86,7 +86,12 @@ def check_pool(num_blocks, block_size, n_kv_heads, head_dim, max_seqs, max_block
     for a PagedCache's `n_layers` pools, before any is allocated."""
     per_layer = pool_bytes(num_blocks, block_size, n_kv_heads, head_dim, max_seqs,
                            max_blocks_per_seq, dtype, kv_bytes_per_token)
+    check_device(device, dtype)                   # an integer KV pool cannot be attended over
     block = block_size * kv_bytes_per_token(n_kv_heads, head_dim, dtype, n_layers or 1)
+    if per_layer > 2 * num_blocks * block // (n_layers or 1):    # mostly block tables
+        check_memory((n_layers or 1) * per_layer, device,
+                     f"block tables for {max_seqs:,} sequences of up to {max_blocks_per_seq:,} "
+                     f"blocks each (beside {num_blocks:,} blocks of {block_size:,} tokens)")
     if n_layers is None:
         check_memory(per_layer, device, f"a pool of {num_blocks:,} blocks of {block_size:,} tokens",
                      block, f"blocks of {block_size:,} tokens")
@@ -125,14 +130,16 @@ def check_row_room(longest: int, max_seq_len: int) -> None:
 
 def check_attention_inputs(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                            block_table, softmax_scale=None):
-    """Raise ValueError with a sentence for a call flash-attn would refuse; return the lengths
-    as an int32 (B,) tensor on q's device (or None)."""
+    """Raise UsageError (a ValueError) with a sentence for a call flash-attn would refuse;
+    return the lengths as an int32 (B,) tensor on q's device (or None)."""
     def need(ok, sentence):
         if not ok:
-            raise ValueError(sentence)
+            raise UsageError(sentence)
 
     need(q.dim() == 4, f"q must be (batch, seqlen, n_heads, head_dim), got shape {tuple(q.shape)}")
     B, _, Hq, D = q.shape
+    need(B > 0, "q holds a batch of 0 rows; flash-attn refuses an empty batch too (\"batch size "
+                "must be positive\"): call it only when at least one sequence has a token")
     need(k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
          f"k_cache and v_cache must share one 4-D shape, got {tuple(k_cache.shape)} and "
          f"{tuple(v_cache.shape)}")
@@ -189,21 +196,44 @@ def check_implemented(name, rotary_cos, rotary_sin, cache_leftpad, window_size, 
 
 
 def check_lengths(cache_seqlens, seqlens_k, capacity: int, width: int, block_size: int) -> None:
-    """ValueError unless every row's lengths are >= 0 and fit the slots its table addresses."""
+    """UsageError unless every row's lengths are >= 0 and fit the slots its table addresses."""
     if int(cache_seqlens.min()) < 0:
-        raise ValueError("cache_seqlens must be >= 0: it counts the tokens a row has stored")
+        raise UsageError("cache_seqlens must be >= 0: it counts the tokens a row has stored")
     L = max(seqlens_k.tolist())
     if L > capacity:
-        raise ValueError(
+        raise UsageError(
             f"a row needs {L} slots but its block table addresses only {capacity} "
             f"({width} blocks of {block_size}); give it more blocks first")
 
 
 def check_blocks(table, num_blocks: int) -> None:
-    """ValueError unless every block a row owns exists in the pool."""
+    """UsageError unless every block a row owns exists in the pool."""
     if table.numel() and (int(table.min()) < 0 or int(table.max()) >= num_blocks):
-        raise ValueError(f"block_table (or cache_batch_idx) points outside k_cache's "
+        raise UsageError(f"block_table (or cache_batch_idx) points outside k_cache's "
                          f"{num_blocks} blocks (rows): every block a row uses must exist")
+
+
+def check_writes(table, owned, cache_seqlens, block_size: int) -> None:
+    """UsageError unless every block a row writes its new tokens into is held once, by that row:
+    a block two rows share (a prefix, a fork) is read-only until one of them copies it
+    (copy-on-write), or the write lands in the other row's keys. A sort of the owned ids (B x n,
+    a few thousand at most); the written blocks are looked at only if some id repeats."""
+    held = table[owned].sort().values                               # every owned entry, sorted
+    repeated = held[1:][held[1:] == held[:-1]]                      # ids held twice or more
+    if not repeated.numel():
+        return
+    first = cache_seqlens.long()[:, None] // block_size                         # (B, 1)
+    written = owned & (torch.arange(table.shape[1], device=table.device) >= first)  # (B, n)
+    targets = table[written]                                        # the blocks written into
+    found = repeated[torch.searchsorted(repeated, targets).clamp(max=len(repeated) - 1)]
+    clash = targets[found == targets]
+    if clash.numel():
+        block = int(clash[0])
+        rows = sorted({int(r) for r in ((table == block) & owned).nonzero()[:, 0]})
+        raise UsageError(f"block {block} is in the block tables of rows {rows}, and new keys "
+                         f"would be written into it, over the keys of another row: a block "
+                         f"written into must be held by one row once (copy a shared block "
+                         f"first: copy-on-write)")
 
 
 # -- a CacheManager's sequences and blocks --------------------------------------------------------

@@ -125,6 +125,30 @@ def check_device(device, dtype=None) -> None:
 
 # -- a model, a request ---------------------------------------------------------------------------
 
+MAX_WEIGHT = 2**50          # numbers in one weight matrix: 4 PiB in float32, more than any machine
+
+
+def _check_weight_sizes(args) -> None:
+    """UsageError for a feed-forward width or a weight matrix too large to exist (a `dim` of 1e9,
+    an `ffn_dim_multiplier` of 1e308), before the width is computed or a tensor shaped: past
+    these, Python's int() of the width or torch's size of the tensor overflows."""
+    hidden = args.hidden_dim
+    if hidden is None:            # about the width ModelArgs computes (Meta's FeedForward sizing)
+        multiplier = args.ffn_dim_multiplier if args.ffn_dim_multiplier is not None else 1
+        if not (_finite(multiplier) and multiplier > 0):
+            raise UsageError(f"ffn_dim_multiplier must be a positive number (Llama 3 8B: 1.3), "
+                             f"not {args.ffn_dim_multiplier!r}")
+        hidden = 8 * args.dim / 3 * multiplier + args.multiple_of
+        if hidden > MAX_COUNT:
+            raise UsageError(f"the feed-forward width 8/3 x dim {args.dim:,} x ffn_dim_multiplier "
+                             f"{multiplier!r} is past 2**31; no Llama is that wide")
+    rows = max(args.vocab_size, hidden, args.dim)
+    if rows * args.dim > MAX_WEIGHT:
+        raise UsageError(f"a weight matrix of {int(rows):,} x {args.dim:,} numbers is larger than "
+                         f"any machine holds (dim {args.dim:,}, feed-forward width "
+                         f"{int(hidden):,}, vocabulary {args.vocab_size:,})")
+
+
 def check_model_args(args) -> None:
     """UsageError for a ModelArgs the model would run with and answer nonsense (a negative RMS
     epsilon gives NaN, then the same token over and over) or fail deep inside a forward pass:
@@ -141,6 +165,7 @@ def check_model_args(args) -> None:
         raise UsageError(f"the heads must split evenly: dim {args.dim} into n_heads "
                          f"{args.n_heads}, and n_heads into n_kv_heads {args.n_kv_heads} "
                          f"groups (grouped-query attention)")
+    _check_weight_sizes(args)
     head_dim = args.dim // args.n_heads
     if head_dim % 2:
         raise UsageError(f"the head size dim / n_heads = {args.dim} / {args.n_heads} = "

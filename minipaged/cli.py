@@ -48,7 +48,8 @@ def program(main):
     """Wrap a program's `main(argv=None)` so that it returns the exit status: main's own (0 if
     it returns None), 2 after a minipaged error (its sentence printed on one line as
     `error: ...`, no traceback), 2 with `error: cannot write the output: ...` when standard
-    output (or a file, named) cannot be written (a full disk, `> /dev/full`), 130 after Ctrl-C, 141 when whoever
+    output (or a file, named) cannot be written (a full disk, `> /dev/full`) or was closed
+    before the start (`>&-`, refused before any work), 130 after Ctrl-C, 141 when whoever
     read the output went away (`... | head`; output printed through rich's Console stops
     there with rich's own status 1, as quietly). Characters the output's encoding lacks
     (`PYTHONIOENCODING=ascii`) print as `?`. The wrapped `main` is also what the console
@@ -60,6 +61,12 @@ def program(main):
 
 
 def _run(main, argv) -> int:
+    if sys.stdout is None:                      # started with standard output closed (`>&-`)
+        if sys.stderr is not None:
+            print(error_line("standard output is closed, so nothing this program prints could "
+                             "be read; run it with its output going to a terminal, a file, a "
+                             "pipe or /dev/null"), file=sys.stderr, flush=True)
+        return 2
     for stream in (sys.stdout, sys.stderr):     # a character the terminal's encoding lacks
         if hasattr(stream, "reconfigure"):      # (PYTHONIOENCODING=ascii) prints as "?"
             stream.reconfigure(errors="replace")

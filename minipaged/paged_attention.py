@@ -15,7 +15,7 @@ import torch
 
 from .backends import (BACKENDS, available_backends, dispatch,  # noqa: F401 (the call's API)
                        flash_attn_available, register_backend)
-from .cache_checks import check_blocks, check_lengths
+from .cache_checks import check_blocks, check_lengths, check_writes
 from .kv_cache import attention_over_cache
 
 
@@ -53,6 +53,8 @@ def owned_block_table(q, k_cache, k, cache_seqlens, block_table):
     owned = torch.arange(n, device=device) * block_size < seqlens_k[:, None]  # (B, n)
     table = torch.where(owned, block_table[:, :n].long(), 0)                  # (B, n)
     check_blocks(table, num_blocks)
+    if n_new:
+        check_writes(table, owned, cache_seqlens, block_size)   # no block written is shared
     return table, seqlens_k
 
 

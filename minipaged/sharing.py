@@ -60,9 +60,10 @@ class SharedCacheManager(CacheManager):
         s, n = check_new(self, seq_id), check_count(num_tokens)
         k = self.blocks_for(n)
         shared = self._check_prefix(prefix_blocks)
-        if len(shared) > k or self.prefix is None:
-            raise RequestError(f"{len(shared)} prefix blocks cannot start a sequence of {n} "
-                               f"tokens ({k} blocks), nor without prefix caching")
+        if len(shared) * self.block_size > n:      # a named block is full: all its tokens are ours
+            raise RequestError(f"{len(shared)} full prefix blocks hold "
+                               f"{len(shared) * self.block_size} tokens, more than the "
+                               f"{n} of this sequence; share only the blocks its prompt fills")
         reviving = [b for b in shared if self.refs[b] == 0]          # cached-free hits
         # the revived blocks count as free now, but this call takes them as hits
         check_room(self, [s], [k], k - len(shared) + len(reviving))
@@ -76,16 +77,17 @@ class SharedCacheManager(CacheManager):
         return blocks
 
     def _check_prefix(self, prefix_blocks) -> list[int]:
-        """Prefix blocks as ints: distinct blocks of this pool that hold K/V, held by a
-        sequence or cached-free (a free block holds nothing to share)."""
+        """Prefix blocks as ints: distinct entries of the prefix cache (full blocks named by
+        their tokens' hash, held by a sequence or cached-free). Another sequence's unnamed block
+        (a partial last block it still writes into) holds nothing this one can claim."""
+        if self.prefix is None:
+            raise RequestError("prefix_blocks need prefix caching (prefix_caching=True)")
         blocks = list(prefix_blocks)
         ok = all(isinstance(b, numbers.Integral) and not isinstance(b, bool)
                  and 0 <= b < self.num_blocks for b in blocks) and len(set(blocks)) == len(blocks)
-        cached = self.prefix.cached_free if self.prefix is not None else {}
-        if not ok or any(self.refs[b] == 0 and b not in cached for b in blocks):
+        if not ok or any(int(b) not in self.prefix.hash_of for b in blocks):
             raise RequestError(f"prefix_blocks must be distinct blocks in [0, {self.num_blocks}) "
-                               f"that hold K/V (held, or cached-free: from match_prefix), not "
-                               f"{blocks!r}")
+                               f"that the prefix cache names (from match_prefix), not {blocks!r}")
         return [int(b) for b in blocks]
 
     def fork(self, parent: int, child: int) -> None:

@@ -13,6 +13,7 @@ import torch
 from conftest import tiny_model
 
 from minipaged import Engine, beam_search, generate, load_model
+from minipaged.cache_manager import CacheManager
 from minipaged.errors import MiniPagedError, NotEnoughMemoryError, RequestError, UsageError
 from minipaged.sharing import SharedPagedCache
 
@@ -192,21 +193,29 @@ def cache_state(cache):
             [m.blocks_of(s) for s in sorted(m._live)])
 
 
-@pytest.mark.parametrize("blocks", [[7], [99], [-1], [1.5], [True], "twice"],
+@pytest.mark.parametrize("blocks", [[7], [99], [-1], [1.5], [True], "twice", "unnamed",
+                                    "more tokens than the sequence"],
                          ids=["free block", "out of range", "negative", "fraction", "bool",
-                              "repeated"])
+                              "repeated", "held but not a prefix-cache entry", "too many"])
 def test_prefix_blocks_that_hold_nothing(model, blocks):
     cache = SharedPagedCache(model.args, 8, 4, 4, 32, prefix_caching=True)
-    cache.prepare([0], 8)                                  # sequence 0 holds blocks 0 and 1
+    cache.prepare([0], 10)                    # sequence 0 holds 3 blocks: 2 full, 1 partial
+    cache.name_blocks(0, list(range(10)))     # the 2 full ones become prefix-cache entries
     m = cache.managers[0]
     held = [int(b) for b in m.blocks_of(0)]
-    blocks = [held[0], held[0]] if blocks == "twice" else blocks
+    n = 8
+    if blocks == "twice":
+        blocks = [held[0], held[0]]
+    elif blocks == "unnamed":                 # sequence 0's partial last block, still written
+        blocks = [held[2]]
+    elif blocks == "more tokens than the sequence":
+        blocks, n = held[:2], 6               # 8 cached tokens cannot start a 6-token sequence
     assert 7 not in held and m.refs[7] == 0                # a really free block
     before = cache_state(cache)
-    refused(lambda: m.reserve(1, 8, prefix_blocks=blocks), "prefix_blocks")
+    refused(lambda: m.reserve(1, n, prefix_blocks=blocks), "prefix")
     assert cache_state(cache) == before
-    m.reserve(1, 8, prefix_blocks=held[:1])                # a held block is shared, as before
-    assert m.refs[held[0]] == 2
+    m.reserve(1, 8, prefix_blocks=held[:2])   # prefix-cache entries are shared, as before
+    assert m.refs[held[0]] == m.refs[held[1]] == 2
 
 
 @pytest.mark.parametrize("tokens", [[True, 1, 2, 3], [], "abcd", [1.5] * 8, [-1, 2, 3, 4]],
@@ -233,3 +242,13 @@ def test_load_model_on_cuda_loads_or_says_there_is_no_gpu():
         assert next(load_model(device="cuda").parameters()).is_cuda
     else:
         refused(lambda: load_model(device="cuda"), "device='cuda'", "GPU", "device='cpu'")
+
+
+def test_a_cache_manager_of_integers_or_of_huge_block_tables_is_refused_by_name():
+    """An int64 pool was accepted (and failed later, in attention); 2**40 sequences were
+    refused as "a pool of 8 blocks of 4 tokens needs 16.0 TiB ... room for 46 million blocks":
+    the 16 TiB are the block tables, and more blocks would not help."""
+    refused(lambda: CacheManager(8, 4, 2, 8, max_seqs=4, max_blocks_per_seq=4,
+                                 dtype=torch.int64), "dtype", "floating-point")
+    refused(lambda: CacheManager(8, 4, 2, 8, max_seqs=2**40, max_blocks_per_seq=4),
+            "block tables for 1,099,511,627,776 sequences", "16.0 TiB")

@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from minipaged import CheckpointError, load_model, save_model
+from minipaged.formats import loading
 
 
 @pytest.fixture
@@ -124,6 +125,10 @@ def with_(key, value):
      r"\(rope_scaling\) lacks 'factor'"),
     (with_("eos_token_id", "eot"), "'eos_token_id' must be a token id"),
     (with_("head_dim", "16"), "'head_dim' must be a whole number"),
+    # 2**62 numbers in one matrix: torch's size in bytes would overflow
+    (lambda cfg: {**without("head_dim")(cfg), "hidden_size": 2**31 - 8,
+                  "intermediate_size": 2**31 - 1},
+     "a weight matrix of 2,147,483,647 x 2,147,483,640 numbers is larger than any machine"),
 ])
 def test_malformed_config_names_the_file_and_the_key(hf_dir, change, names):
     edit_json(hf_dir / "config.json", change)
@@ -141,6 +146,9 @@ def test_malformed_config_names_the_file_and_the_key(hf_dir, change, names):
     (with_("norm_eps", [1e-5]), "'norm_eps' must be a positive number"),
     (with_("use_scaled_rope", 1), "'use_scaled_rope' must be true or false"),
     (with_("stop_tokens", ["eot"]), "'stop_tokens' must be a token id"),
+    # sizes whose products overflow: refused before any width is computed or tensor shaped
+    (with_("dim", 10**9), "feed-forward width .* is past 2\\*\\*31"),
+    (with_("ffn_dim_multiplier", 1e308), "feed-forward width .* is past 2\\*\\*31"),
 ])
 def test_malformed_params_name_the_file_and_the_key(tmp_path, change, names):
     meta = save_model(tiny_model(dtype=torch.float32), tmp_path, layout="meta")
@@ -173,3 +181,17 @@ def test_optional_keys_take_the_defaults_transformers_gives_them(hf_dir):
     edit_json(hf_dir / "config.json", without("num_key_value_heads"))
     with pytest.raises(CheckpointError, match="has shape .* but config.json implies"):
         load_model(hf_dir)
+
+
+def test_a_config_with_more_layers_than_its_tensors_is_refused_before_they_are_built(
+        tmp_path, monkeypatch):
+    """100,000,000 layers would be built (shapes only, but each a Python object) before the
+    tensors were compared: a MemoryError after minutes. The count is checked first, before any
+    model is built (building one here fails the test instead of filling the memory)."""
+    meta = save_model(tiny_model(dtype=torch.float32), tmp_path, layout="meta")
+    monkeypatch.setattr(loading, "Llama", lambda args: pytest.fail(f"built {args.n_layers} layers"))
+    for n_layers in (10**8, 3, 1):
+        edit_json(meta / "params.json", with_("n_layers", n_layers))
+        with pytest.raises(CheckpointError, match=f"says the model has {n_layers:,} layers, but "
+                                                  f"its tensors are those of 2"):
+            load_model(meta)

@@ -2,6 +2,7 @@
 status 2, no traceback; a refused message changes nothing; no /command ends the chat; piped
 input survives bytes that are not UTF-8 and lines that cannot be answered; Ctrl-C is exit 130."""
 
+import os
 import re
 
 import pytest
@@ -142,7 +143,12 @@ def test_ctrl_c_while_the_gguf_cache_is_written_leaves_no_temporary(tmp_path):
     """SmolLM2's first load dequantizes the GGUF file and caches the weights (~540 MB);
     Ctrl-C in the middle of that write: exit 130, no traceback, no half-written file."""
     def temporaries():
-        return [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
+        # os.walk, not rglob: while the program writes, a folder can vanish between being
+        # listed and being read, and rglob raises FileNotFoundError (it happened once, in a
+        # full run on a busy machine); os.walk skips it. Once the program has exited nothing
+        # moves, so the final check below sees every temporary either way.
+        return [name for _, dirs, files in os.walk(tmp_path) for name in dirs + files
+                if ".tmp-" in name]
     code, out, err = interrupt(["-m", "minipaged.chat", "--model", "smollm2", "--prompt", "hi"],
                                ready=lambda out: bool(temporaries()),
                                XDG_CACHE_HOME=str(tmp_path))

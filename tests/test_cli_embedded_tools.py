@@ -16,6 +16,7 @@ def test_bpe_refuses_what_it_cannot_read_or_write(tmp_path):
         (tmp_path / "missing.txt", "--out", out): ["missing.txt"],
         (tmp_path, "--out", out): ["cannot read", str(tmp_path)],
         (binary, "--out", out): ["binary.txt", "not UTF-8"],
+        ("/dev/zero", "--out", out): ["/dev/zero", "not a regular file"],   # was a MemoryError
         (text, "--vocab-size", "100", "--out", out): ["at least 256", "100"],
         (text, "--vocab-size", "-1", "--out", out): ["at least 256"],
         (text, "--vocab-size", "300", "--out", "/proc/t.model"): ["--out", "cannot write"],
@@ -34,9 +35,12 @@ def test_bpe_refuses_what_it_cannot_read_or_write(tmp_path):
 
 
 def test_corpus_refuses_bad_numbers_and_stops_quietly_when_its_reader_does():
-    bad, good = run_many("minipaged.embedded.corpus", [(["--samples", "-1"], None),
-                                                       (["--samples", "0"], None)])
+    bad, negative, huge, good = run_many("minipaged.embedded.corpus", [
+        (["--samples", "-1"], None), (["--seed", "-1"], None), (["--seed", "9" * 25], None),
+        (["--samples", "0"], None)])
     refused(bad, "--samples")
+    refused(negative, "--seed", "-1")                  # was accepted: exit 0
+    refused(huge, "--seed")
     answered(good)
     # `| head`: the reader goes away after a few bytes of far more than a pipe holds (64 KiB)
     r = subprocess.run(f"{sys.executable} -m minipaged.embedded.corpus --samples 300 | "

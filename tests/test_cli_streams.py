@@ -61,3 +61,23 @@ def test_an_unreadable_tiktoken_cache_is_not_needed(tmp_path):
     finally:
         cache.chmod(0o700)
     assert r.returncode == 0 and not r.stderr.strip() and r.stdout.strip(), r.stderr
+
+
+@pytest.mark.parametrize("argv", [CHAT + ["--prompt", "hi"], ["-m", "minipaged.embedded.corpus"]],
+                         ids=["chat --prompt", "corpus stats"])
+def test_a_closed_standard_output_is_one_error_line_before_any_work(argv):
+    """`python -m minipaged.chat >&-`: Python starts with sys.stdout None."""
+    r = subprocess.run(["sh", "-c", 'exec "$0" "$@" >&-', sys.executable, *argv], cwd=ROOT,
+                       capture_output=False, stderr=subprocess.PIPE, text=True, timeout=120,
+                       env=env())
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "error: standard output is closed, so nothing this program prints could be read; run "
+        "it with its output going to a terminal, a file, a pipe or /dev/null"], r.stderr
+
+
+def test_a_tiktoken_cache_that_cannot_be_created_is_not_needed():
+    """The tokenizer file is read from disk; tiktoken's download cache is never written (a
+    folder that cannot be made there was a FileNotFoundError traceback)."""
+    r = subprocess.run([sys.executable, *CHAT, "--prompt", "hi"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=env(TIKTOKEN_CACHE_DIR="/proc/tiktoken"))
+    assert r.returncode == 0 and not r.stderr.strip() and r.stdout.strip(), r.stderr

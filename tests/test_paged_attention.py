@@ -19,7 +19,7 @@ import types
 import pytest
 import torch
 
-from minipaged import backends, cpu_attention
+from minipaged import UsageError, backends, cpu_attention
 from minipaged import paged_attention as pa
 from minipaged.fast import paged as paged_module
 from minipaged.fast.paged import QUERIES_AS_ROWS, PagedStep, attend_step, fast_backend, plan_step
@@ -429,6 +429,15 @@ BAD_CALLS = [
     ("infinite softmax_scale", dict(softmax_scale=float("inf")), "softmax_scale must be a finite"),
     ("paged + cache_batch_idx", dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32)), "cannot be combined"),
     ("unknown backend", dict(backend="xformers"), "'auto', 'flash_attn', 'torch', 'cpu', 'triton'"),
+    ("empty batch", dict(q=torch.randn(0, 1, 4, 8), k=torch.randn(0, 1, 2, 8),
+                         v=torch.randn(0, 1, 2, 8), cache_seqlens=torch.zeros(0, dtype=torch.int32),
+                         block_table=torch.zeros(0, 2, dtype=torch.int32)), "a batch of 0 rows"),
+    # row 0 writes its 4th key into block 0, which row 1 holds as its first block
+    ("a shared block written into", dict(block_table=torch.tensor([[0, 1], [0, 3]], dtype=torch.int32)),
+     r"block 0 is in the block tables of rows \[0, 1\].*copy-on-write"),
+    # row 1 writes its 5th key into block 2, where its 1st to 4th already are
+    ("a block twice in one row", dict(block_table=torch.tensor([[0, 1], [2, 2]], dtype=torch.int32)),
+     r"block 2 is in the block tables of rows \[1\]"),
 ]
 
 
@@ -437,9 +446,21 @@ BAD_CALLS = [
 def test_wrong_inputs_raise_a_sentence(label, change, message, backend):
     call = on_backend({**base_call(), "backend": backend}, backend)
     k_before = call["k_cache"].clone()
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(UsageError, match=message):        # a ValueError, and the project's kind
         flash_attn_with_kvcache(**{**call, **on_backend(change, backend)})
     assert torch.equal(call["k_cache"], k_before)         # a refused call writes nothing
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_block_two_rows_only_read_is_shared_legally(backend):
+    """Sharing itself is legal (a prefix, a fork): block 0 in both rows, full, written by neither,
+    gives what two private copies of it give."""
+    shared = {**base_call(), "cache_seqlens": torch.tensor([4, 4], dtype=torch.int32),
+              "block_table": torch.tensor([[0, 1], [0, 3]], dtype=torch.int32)}
+    private = {**shared, "k_cache": shared["k_cache"].clone(), "v_cache": shared["v_cache"].clone(),
+               "block_table": torch.tensor([[0, 1], [5, 3]], dtype=torch.int32)}
+    private["k_cache"][5], private["v_cache"][5] = shared["k_cache"][0], shared["v_cache"][0]
+    torch.testing.assert_close(attend(shared, backend)[0], attend(private, backend)[0])
 
 
 @pytest.mark.parametrize("change", [

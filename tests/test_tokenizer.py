@@ -5,6 +5,7 @@ Ground truth: llama-models (Meta's package, `pip install --no-deps llama-models`
 """
 
 import base64
+import os
 from pathlib import Path
 
 import llama_models
@@ -226,9 +227,17 @@ def test_missing_path(tmp_path):
 
 
 def test_tokenizer_needs_a_file(tmp_path):
-    for path in (tmp_path, tmp_path / "missing.model"):
-        with pytest.raises(TokenizerError, match="is not a file; expected a tiktoken BPE file"):
+    for path, what in ((tmp_path, "is a folder"), (tmp_path / "missing.model", "does not exist")):
+        with pytest.raises(TokenizerError, match=f"{what}; expected a tiktoken BPE file"):
             Tokenizer(path)
+
+
+def test_a_model_folder_whose_tokenizer_is_a_fifo_is_told_so(tmp_path):
+    """It was told "found no tokenizer.model ...; the folder holds ..., tokenizer.model"."""
+    os.mkfifo(tmp_path / "tokenizer.model")
+    with pytest.raises(TokenizerError, match=r"tokenizer.model is not a regular file \(a FIFO or "
+                                             r"a device\); expected a tiktoken BPE file"):
+        load_tokenizer(tmp_path)
 
 
 def test_folder_without_tokenizer(tmp_path):

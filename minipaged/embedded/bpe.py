@@ -123,9 +123,16 @@ def save_tiktoken_bpe(ranks, path):
 
 
 def read_text(path: Path) -> str:
-    """A training file's text, or a UsageError saying why it cannot be read."""
+    """A training file's text, or a UsageError saying why it cannot be read: a device or a
+    FIFO (/dev/zero never ends) is refused before a byte is read."""
+    if path.exists() and not path.is_dir() and not path.is_file():
+        raise UsageError(f"{path} is not a regular file (a device or a FIFO, which may never "
+                         f"end); train on text files")
     try:
         return path.read_text(encoding="utf-8")
+    except MemoryError:
+        raise UsageError(f"{path} is too large to read into this machine's memory; train on "
+                         f"a smaller sample of it") from None
     except UnicodeDecodeError as e:
         raise UsageError(f"{path} is not UTF-8 text (byte {e.start:,} is not UTF-8); train "
                          f"on text files") from None

@@ -252,7 +252,7 @@ def corpus_stats(corpus: Corpus) -> dict:
 def main(argv=None) -> None:
     parser = cli.ArgumentParser(prog="python -m minipaged.embedded.corpus",
                                 description="Print the demo model's training corpus stats.")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=cli.seed, default=0)
     parser.add_argument("--samples", type=cli.whole(0), default=3,
                         help="sample dialogs per split")
     args = parser.parse_args(argv)

@@ -58,6 +58,7 @@ def load_model(path=None, device="cpu", dtype=None) -> Llama:
             f"consolidated.00.pth (Meta), config.json + *.safetensors (Hugging Face) or a .gguf "
             f"file; found {found}")
     check_args(args, f"{folder} ({config_name})")
+    _check_layers(state, args.n_layers, folder, config_name)   # before building that many layers
     with torch.device("meta"):        # shapes only, no memory: the real tensors come next
         model = Llama(args)
     _check_state(state, model, folder, config_name)
@@ -67,6 +68,16 @@ def load_model(path=None, device="cpu", dtype=None) -> Llama:
     dtype = dtype or next(iter(state.values())).dtype
     model.source = folder
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def _check_layers(state: dict, n_layers: int, folder: Path, config_name: str):
+    """The config's layer count is the tensors' (a config that says 100,000,000 layers would
+    otherwise build them all, shapes only, before any tensor is compared)."""
+    found = {k.split(".")[1] for k in state if k.startswith("layers.")}
+    if len(found) != n_layers or found != {str(i) for i in range(n_layers)}:
+        raise CheckpointError(f"{folder}: its {config_name} says the model has {n_layers:,} "
+                              f"layers, but its tensors are those of {len(found):,}; the config "
+                              f"and the weights do not belong together")
 
 
 def _check_state(state: dict, model: Llama, folder: Path, config_name: str):
@@ -113,7 +124,7 @@ def load_tokenizer(path=None):
                              "(tiktoken format) or a folder holding one.")
     if path.is_dir():
         for file in (path / "tokenizer.model", path / "original" / "tokenizer.model"):
-            if file.is_file():
+            if file.exists():         # a FIFO or a folder of that name: Tokenizer says so
                 return Tokenizer(file)
         if any(path.glob("*.gguf")):
             return _gguf_tokenizer(path)

@@ -8,13 +8,12 @@ produce. The same file format carries the embedded model's small tokenizer
 """
 
 import codecs
-import hashlib
+import base64
 import operator
 import re
 from pathlib import Path
 
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 
 from ..errors import RequestError, TokenizerError
 
@@ -48,7 +47,9 @@ def read_ranks(path):
     path = Path(path)
     expected = "a tiktoken BPE file (lines of `base64(token) rank`, like Llama 3's tokenizer.model)"
     if not path.is_file():
-        raise TokenizerError(f"{path} is not a file; expected {expected}.")
+        what = "does not exist" if not path.exists() else \
+            "is a folder" if path.is_dir() else "is not a regular file (a FIFO or a device)"
+        raise TokenizerError(f"{path} {what}; expected {expected}.")
     data = path.read_bytes()
     if not data.strip():
         raise TokenizerError(f"{path} is empty; expected {expected}.")
@@ -56,9 +57,9 @@ def read_ranks(path):
         raise TokenizerError(
             f"{path} is a binary file; expected {expected}. Llama 1/2 and Mistral ship a "
             "SentencePiece tokenizer.model, which minipaged cannot read.")
-    try:
-        # tiktoken caches files by path; the hash makes it notice a file rewritten in place.
-        ranks = load_tiktoken_bpe(str(path), expected_hash=hashlib.sha256(data).hexdigest())
+    try:   # parsed here, not by tiktoken's loader: its download cache (TIKTOKEN_CACHE_DIR)
+        ranks = {base64.b64decode(token): int(rank)       # is of no use for a file on disk
+                 for token, rank in (line.split() for line in data.splitlines() if line)}
     except ValueError as error:
         bad = next(((n, line) for n, line in enumerate(data.splitlines(), start=1)
                     if line and not _is_rank_line(line)), None)
