@@ -423,7 +423,8 @@ def greedy_tokens(logits) -> list[int]:
 
 class FastEngine(SpeculativeEngine):
     """`minipaged.Engine` (every stage's options, speculative decoding included) on the speed
-    layer's cache. With `adaptive_threads` (the default), a step runs on one thread fewer for
+    layer's cache. Speculation drafts only where it pays (`draft_policy="adaptive"` by
+    default; "fixed" drafts every step). With `adaptive_threads` (the default), a step runs on one thread fewer for
     each core another process holds, and a run ends on the user's thread count (`threads.py`:
     beside a busy core, every barrier of a step otherwise waits for the thread sharing it).
     On a model with compiled steps (`compile_decode`), only among the thread counts its graphs
@@ -432,8 +433,10 @@ class FastEngine(SpeculativeEngine):
 
     def __init__(self, *args, adaptive_threads: bool = True, **options):
         check_flag("adaptive_threads", adaptive_threads)
+        options.setdefault("draft_policy", "adaptive")     # speculation only where it pays
         super().__init__(*args, **options)
         self.threads = AdaptiveThreads() if adaptive_threads else None
+        self.scratch_options["adaptive_threads"] = False    # its steps are timed, not served
 
     def step(self):
         if self.threads is None:
