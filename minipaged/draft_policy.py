@@ -12,13 +12,14 @@ than a plain step for the same one token a row. So drafts must be paid for by ac
      then 2, 4, ... up to 16 while the probes keep failing), then a probe of one draft. A
      lookup that found nothing waits too (1, 2, then 4 steps): lookup scans the text, which on
      a small model costs as much as a share of the step.
-  2. per step (`batch_gate`, `DraftPolicy.choose`): a request whose recent drafts were kept
-     at rate `alpha` (each draft given that the one before it was kept) gets its i-th draft
-     accepted with probability about alpha ** i. A step of B decoding rows and D drafts takes
-     plain(B) + fixed(B) + D * per_draft(B) seconds, measured on the model at hand
-     (`StepCosts.measure`); it yields B tokens plus the accepted drafts. The step keeps the
-     most likely drafts while they raise the expected tokens per second above a plain step's
-     (B / plain(B)) — on a large batch often none.
+  2. per step (`batch_gate`, `DraftPolicy.best_counts`): a request whose recent drafts were
+     kept at rate `alpha` (each draft given that the one before it was kept) gets its i-th
+     draft accepted with probability about alpha ** i. A step of B decoding rows, m of them
+     running c drafts each, takes plain(B) + fixed(B) + m * c * per_draft(B) seconds (plus
+     segment(B) when m < B), measured on the model at hand (`StepCosts.measure`); it yields B
+     tokens plus the accepted drafts. The step runs the c and the rows that give the most
+     expected tokens per second, if that beats a plain step's B / plain(B) — on a large batch
+     often it does not, and no draft runs.
 
 Greedy tokens are those of plain decoding whatever the policy decides: it only chooses which
 drafts the verify pass sees, and the pass keeps exactly the ones the model would have produced.
@@ -58,46 +59,55 @@ class DraftState:
 class StepCosts:
     """Seconds of a decode step by batch size (`batches`, increasing): `plain` (one token a
     row), and what a verify pass adds: `fixed` for having drafts at all, `per_draft` for each
-    draft. Between measured batch sizes, linear; past the largest, plain and fixed grow with
-    the batch and per_draft stays."""
+    draft, `segment` when some rows run drafts and others do not (rows with as many drafts
+    are packed as one segment, and each segment is an attention call per layer). Between
+    measured batch sizes, linear; past the largest, plain and fixed grow with the batch, the
+    others stay."""
     batches: list
     plain: list
     fixed: list
     per_draft: list
+    segment: list
 
-    def at(self, batch: int) -> tuple[float, float, float]:
-        bs = self.batches
+    def at(self, batch: int) -> tuple[float, float, float, float]:
+        """(plain, fixed, per_draft, segment) at `batch` rows."""
+        bs, columns = self.batches, (self.plain, self.fixed, self.per_draft, self.segment)
         if batch >= bs[-1]:
             scale = batch / bs[-1]
-            return self.plain[-1] * scale, self.fixed[-1] * scale, self.per_draft[-1]
+            return self.plain[-1] * scale, self.fixed[-1] * scale, *(c[-1] for c in columns[2:])
         i = next(i for i, b in enumerate(bs) if b >= batch)
         if bs[i] == batch or i == 0:
-            return self.plain[i], self.fixed[i], self.per_draft[i]
+            return tuple(c[i] for c in columns)
         w = (batch - bs[i - 1]) / (bs[i] - bs[i - 1])
-        return tuple((1 - w) * c[i - 1] + w * c[i] for c in (self.plain, self.fixed, self.per_draft))
+        return tuple((1 - w) * c[i - 1] + w * c[i] for c in columns)
 
     @classmethod
     def measure(cls, engine, batches=(1, 4, 16), repeat: int = 5) -> StepCosts:
         """Time `engine`'s own steps on its model, in a scratch copy of it (`engine.scratch`):
-        for each batch size, a plain step, a verify pass with one draft a row and one with k a
-        row (drafts the model rejects, as a missed guess is), each the fastest of `repeat`."""
+        for each batch size, a plain step, verify passes with one draft a row, with k a row,
+        and with k on every other row (drafts the model rejects, as a missed guess is), each
+        the fastest of `repeat`."""
         k = max(2, engine.num_speculative_tokens)
-        plain, fixed, per_draft = [], [], []
+        ways = {"plain": lambda i: 0, "one": lambda i: 1, "k": lambda i: k,
+                "half": lambda i: k * (i % 2 == 0)}
+        plain, fixed, per_draft, segment = [], [], [], []
         for B in batches:
-            scratch = engine.scratch(B, 2 + (repeat + 1) * (4 + k))
-            secs = {d: [] for d in (0, 1, k)}
-            for d in list(secs) * (repeat + 1):       # the first round warms up, untimed
-                scratch.scheduler.propose = lambda reqs, d=d: {r: [r.output[-1]] * d for r in reqs}
+            scratch = engine.scratch(B, 2 + (repeat + 1) * (4 + 2 * k))
+            secs = {way: [] for way in ways}
+            for way in list(ways) * (repeat + 1):       # the first round warms up, untimed
+                scratch.scheduler.propose = lambda reqs, d=ways[way]: {
+                    r: [r.output[-1]] * d(i) for i, r in enumerate(reqs) if d(i)}
                 start = time.perf_counter()
                 scratch.step()
-                secs[d].append(time.perf_counter() - start)
-            secs = {d: min(s[1:]) for d, s in secs.items()}
-            one, many = secs[1] - secs[0], secs[k] - secs[0]
-            per = max(0.0, (many - one) / (B * (k - 1)))
-            plain.append(secs[0])
+                secs[way].append(time.perf_counter() - start)
+            t = {way: min(s[1:]) for way, s in secs.items()}
+            per = max(0.0, (t["k"] - t["one"]) / (B * (k - 1)))
+            plain.append(t["plain"])
             per_draft.append(per)
-            fixed.append(max(0.0, one - B * per))
-        return cls(list(batches), plain, fixed, per_draft)
+            fixed.append(max(0.0, t["one"] - t["plain"] - B * per))
+            half = t["plain"] + fixed[-1] + (B + 1) // 2 * k * per
+            segment.append(max(0.0, t["half"] - half) if B > 1 else 0.0)
+        return cls(list(batches), plain, fixed, per_draft, segment)
 
 
 _MEASURED = weakref.WeakKeyDictionary()       # model -> {(engine class, options): StepCosts}
@@ -184,31 +194,32 @@ class DraftPolicy:
         if costs is None:
             return True              # not measured yet: measured once lookup finds a draft
         B, best = len(reqs), max(self.alpha(r) for r in asking)
-        plain, fixed, per = costs.at(B)
+        plain, fixed, per, _ = costs.at(B)
         m = sum(self.states[r.req_id].asked for r in asking)
         return (B + m * best) / (plain + fixed + m * per) > B / plain
 
     def best_counts(self, lengths: dict, engine=None) -> dict:
-        """Drafts to run per request, of `lengths[r]` on offer: draft i of request r (i = 1,
-        2, ...) expected kept with probability alpha_r ** i; the m most likely, for the m that
-        gives the most expected tokens per second, (B + their sum) / (plain + fixed + m *
-        per_draft); none if no m beats a plain step's B / plain."""
+        """Drafts to run per request, of `lengths[r]` on offer. Draft i of request r is kept
+        with probability about alpha_r ** i, so c drafts of it gain g_r(c) = alpha_r + ... +
+        alpha_r ** c tokens. Every request that drafts runs the same number c (one segment);
+        for each c and each m, the m requests of largest g_r(c) give the most expected tokens
+        per second, (B + their gains) / (plain + fixed + m * c * per_draft [+ segment if
+        m < B]). The best of these; none if none beats a plain step's B / plain."""
         if not any(lengths.values()):
             return {}
         B = len(lengths)
-        plain, fixed, per = (self.step_costs or measured_costs(engine)).at(B)
-        offers = sorted(((self.alpha(r) ** (i + 1), r) for r, n in lengths.items()
-                         for i in range(n)), key=lambda o: -o[0])
-        best, best_rate, gain = 0, B / plain, 0.0
-        for m, (p, _) in enumerate(offers, 1):
-            gain += p
-            rate = (B + gain) / (plain + fixed + m * per)
-            if rate > best_rate:
-                best, best_rate = m, rate
-        counts = {}
-        for _, r in offers[:best]:
-            counts[r] = counts.get(r, 0) + 1
-        return counts
+        plain, fixed, per, seg = (self.step_costs or measured_costs(engine)).at(B)
+        best, best_rate = {}, B / plain
+        for c in range(1, max(lengths.values()) + 1):
+            gains = sorted(((sum(self.alpha(r) ** i for i in range(1, c + 1)), r)
+                            for r, n in lengths.items() if n >= c), key=lambda g: -g[0])
+            gain = 0.0
+            for m, (g, _) in enumerate(gains, 1):
+                gain += g
+                rate = (B + gain) / (plain + fixed + m * c * per + (seg if m < B else 0.0))
+                if rate > best_rate:
+                    best, best_rate = {r: c for _, r in gains[:m]}, rate
+        return best
 
     def update(self, req, drafts: int, kept: int) -> None:
         """After a verify pass that ran `drafts` of `req`'s drafts and kept `kept`."""
@@ -226,191 +237,6 @@ class DraftPolicy:
                 if row["req_id"] == req.req_id:
                     row["drafts"], row["kept"] = drafts, kept
                     break
-
-    def alpha(self) -> float:
-        """The chance that a draft is kept, given the one before it was."""
-        return self.kept / self.trials
-
-
-@dataclass
-class StepCosts:
-    """Seconds of a decode step by batch size (`batches`, increasing): `plain` (one token a
-    row), and what a verify pass adds: `fixed` for having drafts at all, `per_draft` for each
-    draft. Between measured batch sizes, linear; past the largest, plain and fixed grow with
-    the batch and per_draft stays."""
-    batches: list
-    plain: list
-    fixed: list
-    per_draft: list
-
-    def at(self, batch: int) -> tuple[float, float, float]:
-        bs = self.batches
-        if batch >= bs[-1]:
-            scale = batch / bs[-1]
-            return self.plain[-1] * scale, self.fixed[-1] * scale, self.per_draft[-1]
-        i = next(i for i, b in enumerate(bs) if b >= batch)
-        if bs[i] == batch or i == 0:
-            return self.plain[i], self.fixed[i], self.per_draft[i]
-        w = (batch - bs[i - 1]) / (bs[i] - bs[i - 1])
-        return tuple((1 - w) * c[i - 1] + w * c[i] for c in (self.plain, self.fixed, self.per_draft))
-
-    @classmethod
-    def measure(cls, engine, batches=(1, 4, 16), repeat: int = 5) -> StepCosts:
-        """Time `engine`'s own steps on its model, in a scratch copy of it (`engine.scratch`):
-        for each batch size, a plain step, a verify pass with one draft a row and one with k a
-        row (drafts the model rejects, as a missed guess is), each the fastest of `repeat`."""
-        k = max(2, engine.num_speculative_tokens)
-        plain, fixed, per_draft = [], [], []
-        for B in batches:
-            scratch = engine.scratch(B, 2 + (repeat + 1) * (4 + k))
-            secs = {d: [] for d in (0, 1, k)}
-            for d in list(secs) * (repeat + 1):       # the first round warms up, untimed
-                scratch.scheduler.propose = lambda reqs, d=d: {r: [r.output[-1]] * d for r in reqs}
-                start = time.perf_counter()
-                scratch.step()
-                secs[d].append(time.perf_counter() - start)
-            secs = {d: min(s[1:]) for d, s in secs.items()}
-            one, many = secs[1] - secs[0], secs[k] - secs[0]
-            per = max(0.0, (many - one) / (B * (k - 1)))
-            plain.append(secs[0])
-            per_draft.append(per)
-            fixed.append(max(0.0, one - B * per))
-        return cls(list(batches), plain, fixed, per_draft)
-
-
-_MEASURED = weakref.WeakKeyDictionary()       # model -> {(engine class, options): StepCosts}
-
-
-def measured_costs(engine, measure: bool = True) -> StepCosts | None:
-    """`StepCosts.measure(engine)`, once per model, engine class, block size, k and thread
-    count (with measure=False: the costs if already measured, else None)."""
-    key = (type(engine), engine.cache.block_size, engine.num_speculative_tokens,
-           torch.get_num_threads())
-    per_model = _MEASURED.setdefault(engine.model, {})
-    if key not in per_model and measure:
-        per_model[key] = StepCosts.measure(engine)
-    return per_model.get(key)
-
-
-@dataclass
-class DraftPolicy:
-    """Drafts that adapt to each request's acceptance (`adapt_k`) and to the batch
-    (`batch_gate`); both off is every step drafting up to k (the engine's `draft_policy="fixed"`).
-    `step_costs`: a `StepCosts` to decide by (None: measured on the engine's model when first
-    needed). `trace`: a list to append one row per decoding request per step to (step, req_id,
-    k it asked for, drafts lookup found, drafts run, drafts kept), as `online_softmax`'s trace
-    does."""
-    adapt_k: bool = True
-    batch_gate: bool = True
-    step_costs: StepCosts | None = None
-    trace: list | None = None
-    states: dict = field(default_factory=dict)     # req_id -> DraftState
-
-    def drafts(self, reqs, propose, engine) -> dict:
-        """This step's drafts for the decoding requests `reqs`: how many each may ask for,
-        lookup (`propose(req)`, which asks `k_for`) unless no draft could pay, then the gate's
-        choice among what lookup found. Returns {request: drafts} for requests with drafts."""
-        k = engine.num_speculative_tokens
-        for r in reqs:
-            self._ask(r, k)
-        if self.batch_gate and not self._may_pay(reqs, engine):
-            proposals = {r: [] for r in reqs}              # no lookup: nothing could pay
-        else:
-            proposals = {r: propose(r) for r in reqs}
-            for r, ds in proposals.items():
-                self._found(r, bool(ds))
-        chosen = proposals
-        if self.batch_gate:
-            counts = self.best_counts({r: len(ds) for r, ds in proposals.items()}, engine)
-            chosen = {r: ds[:counts.get(r, 0)] for r, ds in proposals.items()}
-        if self.trace is not None:
-            for r, ds in chosen.items():
-                self.trace.append(dict(step=engine.step_count, req_id=r.req_id,
-                                       k=self.states[r.req_id].asked, found=len(proposals[r]),
-                                       drafts=len(ds), kept=0))
-        return {r: ds for r, ds in chosen.items() if ds}
-
-    def k_for(self, req, k: int) -> int:
-        """Drafts `req` may ask lookup for this step (at most k)."""
-        st = self.states.get(req.req_id)
-        return k if st is None else min(st.asked, k)
-
-    def _ask(self, req, k: int) -> None:
-        st = self.states.setdefault(req.req_id, DraftState(k))
-        if not self.adapt_k:
-            st.asked = k
-        elif st.wait:
-            st.wait, st.asked = st.wait - 1, 0
-        else:
-            st.asked = min(st.k, k)
-
-    def _found(self, req, found: bool) -> None:
-        """After a lookup for `req`: one that found nothing pauses the next lookups."""
-        st = self.states[req.req_id]
-        if found:
-            st.dry = 0
-        elif self.adapt_k and st.asked:
-            st.wait, st.dry = min(MAX_DRY_WAIT, 2 ** st.dry), st.dry + 1
-
-    def _may_pay(self, reqs, engine) -> bool:
-        """Whether a draft could pay this step, were lookup to find every request as many as
-        it may ask for, each as likely as the likeliest request's first: if not, no lookup."""
-        asking = [r for r in reqs if self.states[r.req_id].asked]
-        if not asking:
-            return False
-        costs = self.step_costs or measured_costs(engine, measure=False)
-        if costs is None:
-            return True              # not measured yet: measured once lookup finds a draft
-        B, best = len(reqs), max(self.alpha(r) for r in asking)
-        plain, fixed, per = costs.at(B)
-        m = sum(self.states[r.req_id].asked for r in asking)
-        return (B + m * best) / (plain + fixed + m * per) > B / plain
-
-    def best_counts(self, lengths: dict, engine=None) -> dict:
-        """Drafts to run per request, of `lengths[r]` on offer: draft i of request r (i = 1,
-        2, ...) expected kept with probability alpha_r ** i; the m most likely, for the m that
-        gives the most expected tokens per second, (B + their sum) / (plain + fixed + m *
-        per_draft); none if no m beats a plain step's B / plain."""
-        if not any(lengths.values()):
-            return {}
-        B = len(lengths)
-        plain, fixed, per = (self.step_costs or measured_costs(engine)).at(B)
-        offers = sorted(((self.alpha(r) ** (i + 1), r) for r, n in lengths.items()
-                         for i in range(n)), key=lambda o: -o[0])
-        best, best_rate, gain = 0, B / plain, 0.0
-        for m, (p, _) in enumerate(offers, 1):
-            gain += p
-            rate = (B + gain) / (plain + fixed + m * per)
-            if rate > best_rate:
-                best, best_rate = m, rate
-        counts = {}
-        for _, r in offers[:best]:
-            counts[r] = counts.get(r, 0) + 1
-        return counts
-
-    def update(self, req, drafts: int, kept: int) -> None:
-        """After a verify pass that ran `drafts` of `req`'s drafts and kept `kept`."""
-        st = self.states.setdefault(req.req_id, DraftState(drafts))
-        st.kept = DECAY * st.kept + kept
-        st.trials = DECAY * st.trials + kept + (kept < drafts)
-        if kept == drafts:
-            st.k, st.misses = max(st.k, 2 * drafts), 0
-        elif kept:
-            st.k, st.misses = kept + 1, 0
-        else:
-            st.k, st.wait, st.misses = 1, min(MAX_WAIT, 2 ** st.misses), st.misses + 1
-        if self.trace:
-            for row in reversed(self.trace):
-                if row["req_id"] == req.req_id:
-                    row["drafts"], row["kept"] = drafts, kept
-                    break
-
-    def peek(self, req, k: int) -> int:
-        """What `k_for` would give `req` now, changing nothing."""
-        st = self.states.get(req.req_id)
-        if st is None or not self.adapt_k:
-            return k
-        return 0 if st.wait else min(st.k, k)
 
     def alpha(self, req) -> float:
         st = self.states.get(req.req_id)

@@ -24,9 +24,11 @@ from test_speculative import PlantedDrafts, repetitive_prompts, run
 SWITCHES = list(itertools.product([False, True], repeat=2))      # (adapt_k, batch_gate)
 # on three rows, drafts kept half the time pay (three of them: 4.5 tokens for 1.4 of time,
 # against 3 for 1) and drafts kept a third of the time never do (3 + m / 3 < 3 (1.1 + m / 10))
-COSTS = StepCosts(batches=[1, 3], plain=[1.0, 1.0], fixed=[0.1, 0.1], per_draft=[0.1, 0.1])
+COSTS = StepCosts(batches=[1, 3], plain=[1.0, 1.0], fixed=[0.1, 0.1], per_draft=[0.1, 0.1],
+                  segment=[0.0, 0.0])
 # drafts pay on a batch of one but not on three rows, at any rate of acceptance below 0.9
-ONE_NOT_THREE = StepCosts([1, 3], [1.0, 1.0], [0.1, 0.1], [0.2, 0.2])
+ONE_NOT_THREE = StepCosts([1, 3], [1.0, 1.0], [0.1, 0.1], [0.2, 0.2], [0.0, 0.0])
+CHEAP = StepCosts([1], [1.0], [0.0], [0.01], [0.0])          # every draft pays
 
 
 def asked(policy, req, found=True, k=4):
@@ -75,22 +77,29 @@ def test_fixed_asks_for_k_every_step():
 
 
 def test_step_costs_interpolate_between_batches_and_grow_past_the_last():
-    c = StepCosts([1, 4], [1.0, 2.0], [0.2, 0.5], [0.1, 0.04])
-    assert c.at(1) == (1.0, 0.2, 0.1) and c.at(4) == (2.0, 0.5, 0.04)
-    assert c.at(2) == pytest.approx((4 / 3, 0.3, 0.08))
-    assert c.at(8) == pytest.approx((4.0, 1.0, 0.04))
+    c = StepCosts([1, 4], [1.0, 2.0], [0.2, 0.5], [0.1, 0.04], [0.0, 0.3])
+    assert c.at(1) == (1.0, 0.2, 0.1, 0.0) and c.at(4) == (2.0, 0.5, 0.04, 0.3)
+    assert c.at(2) == pytest.approx((4 / 3, 0.3, 0.08, 0.1))
+    assert c.at(8) == pytest.approx((4.0, 1.0, 0.04, 0.3))
+
+
+def rate(alphas, counts, costs):
+    """Expected tokens per second of a step running counts[j] drafts of request j."""
+    B = len(alphas)
+    plain, fixed, per, seg = costs.at(B)
+    if not any(counts):
+        return B / plain
+    gain = sum(a ** i for a, n in zip(alphas, counts) for i in range(1, n + 1))
+    return (B + gain) / (plain + fixed + sum(counts) * per + seg * (0 in counts))
 
 
 def brute_force(alphas, lengths, costs):
-    """The best expected tokens per second over every number of drafts per request."""
-    B = len(alphas)
-    plain, fixed, per = costs.at(B)
-    best = B / plain
-    for counts in itertools.product(*(range(n + 1) for n in lengths)):
-        D = sum(counts)
-        if D:
-            gain = sum(a ** i for a, n in zip(alphas, counts) for i in range(1, n + 1))
-            best = max(best, (B + gain) / (plain + fixed + D * per))
+    """The best rate over every choice of requests that draft and their common count c."""
+    best = rate(alphas, [0] * len(alphas), costs)
+    for c in range(1, max(lengths) + 1):
+        for chosen in itertools.product([0, 1], repeat=len(alphas)):
+            if all(n >= c for n, x in zip(lengths, chosen) if x):
+                best = max(best, rate(alphas, [c * x for x in chosen], costs))
     return best
 
 
@@ -100,7 +109,8 @@ def test_the_gate_finds_the_best_choice_of_drafts():
         B = rng.randint(1, 4)
         costs = StepCosts([1, 4], [rng.uniform(0.5, 2), rng.uniform(1, 4)],
                           [rng.uniform(0, 0.5), rng.uniform(0, 1)],
-                          [rng.uniform(0, 0.3), rng.uniform(0, 0.5)])
+                          [rng.uniform(0, 0.3), rng.uniform(0, 0.5)],
+                          [0.0, rng.uniform(0, 0.5)])
         p = DraftPolicy(step_costs=costs)
         reqs = [Request(i, [1], 100) for i in range(B)]
         alphas, lengths = [], []
@@ -109,14 +119,12 @@ def test_the_gate_finds_the_best_choice_of_drafts():
             p.update(r, 4, rng.randint(0, 4))
             alphas.append(p.alpha(r))
             lengths.append(rng.randint(0, 4))
+        if not any(lengths):
+            continue
         counts = p.best_counts(dict(zip(reqs, lengths)))
-        plain, fixed, per = costs.at(B)
-        D = sum(counts.values())
-        got = B / plain if not D else (B + sum(
-            alphas[r.req_id] ** i for r, n in counts.items() for i in range(1, n + 1))) / (
-            plain + fixed + D * per)
-        assert got == pytest.approx(brute_force(alphas, lengths, costs))
-        assert all(counts.get(r, 0) <= n for r, n in zip(reqs, lengths))
+        got = [counts.get(r, 0) for r in reqs]
+        assert rate(alphas, got, costs) == pytest.approx(brute_force(alphas, lengths, costs))
+        assert all(g <= n for g, n in zip(got, lengths)) and len(set(got) - {0}) <= 1
 
 
 def test_the_gate_opens_on_one_row_and_closes_on_three():
@@ -198,7 +206,7 @@ def test_planted_drafts_through_the_policy_give_the_no_cache_forwards_tokens(
 def test_ngram_drafts_through_the_policy_give_the_no_cache_forwards_tokens(
         tiny, reference, adapt_k, batch_gate):
     trace = []
-    policy = DraftPolicy(adapt_k, batch_gate, step_costs=StepCosts([1], [1.0], [0.0], [0.01]),
+    policy = DraftPolicy(adapt_k, batch_gate, step_costs=CHEAP,
                          trace=trace)
     out, engine = run(tiny, repetitive_prompts(), 24, block_size=3, speculative="ngram",
                       num_speculative_tokens=4, draft_policy=policy)
@@ -283,7 +291,7 @@ CRITICAL_63 = 103.44       # chi-square, 63 degrees of freedom, 1 - 0.001
 
 def test_sampling_through_the_policy_keeps_the_models_distribution(monkeypatch):
     trace = []
-    policy = DraftPolicy(step_costs=StepCosts([1], [1.0], [0.0], [0.001]), trace=trace)
+    policy = DraftPolicy(step_costs=CHEAP, trace=trace)
     samples, last = continuations(draft_policy=policy)
     assert any(row["drafts"] for row in trace) and any(row["k"] == 0 for row in trace)
     assert chi_square_of(samples, last) < CRITICAL_63
@@ -292,6 +300,6 @@ def test_sampling_through_the_policy_keeps_the_models_distribution(monkeypatch):
         drafts) + [int(torch.multinomial(torch.softmax(logits[len(drafts)], -1), 1,
                                          generator=r.generator))])
     wrong, last = continuations(draft_policy=DraftPolicy(
-        step_costs=StepCosts([1], [1.0], [0.0], [0.001])))
+        step_costs=CHEAP))
     assert chi_square_of(wrong, last) > CRITICAL_63
     assert math.isfinite(CRITICAL_63)
