@@ -98,9 +98,11 @@ def cost_ratios(model, k: int, requests: int) -> list[str]:
     costs = measured_costs(engine)
     out = []
     for b in costs.batches:
-        plain, fixed, per = costs.at(b)
+        plain, fixed, per, seg = costs.at(b)
         out.append(f"batch {b}: {(plain + fixed + b * per) / plain:.2f}x with 1 draft a row, "
-                   f"{(plain + fixed + b * k * per) / plain:.2f}x with {k}")
+                   f"{(plain + fixed + b * k * per) / plain:.2f}x with {k}"
+                   + (f", {(plain + fixed + (b + 1) // 2 * k * per + seg) / plain:.2f}x with {k} "
+                      "on every other row" if b > 1 else ""))
     return out
 
 
