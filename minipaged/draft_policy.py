@@ -136,7 +136,8 @@ class DraftPolicy:
     batch_gate: bool = True
     step_costs: StepCosts | None = None
     trace: list | None = None
-    states: dict = field(default_factory=dict)     # req_id -> DraftState
+    states: weakref.WeakKeyDictionary = field(     # request -> DraftState, while it lives
+        default_factory=weakref.WeakKeyDictionary)
 
     def drafts(self, reqs, propose, engine) -> dict:
         """This step's drafts for the decoding requests `reqs`: how many each may ask for,
@@ -158,17 +159,17 @@ class DraftPolicy:
         if self.trace is not None:
             for r, ds in chosen.items():
                 self.trace.append(dict(step=engine.step_count, req_id=r.req_id,
-                                       k=self.states[r.req_id].asked, found=len(proposals[r]),
+                                       k=self.states[r].asked, found=len(proposals[r]),
                                        drafts=len(ds), kept=0))
         return {r: ds for r, ds in chosen.items() if ds}
 
     def k_for(self, req, k: int) -> int:
         """Drafts `req` may ask lookup for this step (at most k)."""
-        st = self.states.get(req.req_id)
+        st = self.states.get(req)
         return k if st is None else min(st.asked, k)
 
     def _ask(self, req, k: int) -> None:
-        st = self.states.setdefault(req.req_id, DraftState(k))
+        st = self.states.setdefault(req, DraftState(k))
         if not self.adapt_k:
             st.asked = k
         elif st.wait:
@@ -178,7 +179,7 @@ class DraftPolicy:
 
     def _found(self, req, found: bool) -> None:
         """After a lookup for `req`: one that found nothing pauses the next lookups."""
-        st = self.states[req.req_id]
+        st = self.states[req]
         if found:
             st.dry = 0
         elif self.adapt_k and st.asked:
@@ -187,7 +188,7 @@ class DraftPolicy:
     def _may_pay(self, reqs, engine) -> bool:
         """Whether a draft could pay this step, were lookup to find every request as many as
         it may ask for, each as likely as the likeliest request's first: if not, no lookup."""
-        asking = [r for r in reqs if self.states[r.req_id].asked]
+        asking = [r for r in reqs if self.states[r].asked]
         if not asking:
             return False
         costs = self.step_costs or measured_costs(engine, measure=False)
@@ -195,7 +196,7 @@ class DraftPolicy:
             return True              # not measured yet: measured once lookup finds a draft
         B, best = len(reqs), max(self.alpha(r) for r in asking)
         plain, fixed, per, _ = costs.at(B)
-        m = sum(self.states[r.req_id].asked for r in asking)
+        m = sum(self.states[r].asked for r in asking)
         return (B + m * best) / (plain + fixed + m * per) > B / plain
 
     def best_counts(self, lengths: dict, engine=None) -> dict:
@@ -223,7 +224,7 @@ class DraftPolicy:
 
     def update(self, req, drafts: int, kept: int) -> None:
         """After a verify pass that ran `drafts` of `req`'s drafts and kept `kept`."""
-        st = self.states.setdefault(req.req_id, DraftState(drafts))
+        st = self.states.setdefault(req, DraftState(drafts))
         st.kept = DECAY * st.kept + kept
         st.trials = DECAY * st.trials + kept + (kept < drafts)
         if kept == drafts:
@@ -239,5 +240,5 @@ class DraftPolicy:
                     break
 
     def alpha(self, req) -> float:
-        st = self.states.get(req.req_id)
+        st = self.states.get(req)
         return st.alpha if st is not None else DraftState(0).alpha

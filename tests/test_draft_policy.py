@@ -35,7 +35,7 @@ def asked(policy, req, found=True, k=4):
     """One step of the policy for one request: what it let lookup ask for."""
     engine = SimpleNamespace(num_speculative_tokens=k, step_count=0)
     policy.drafts([req], lambda r: [7] * policy.k_for(r, k) if found else [], engine)
-    return policy.states[req.req_id].asked
+    return policy.states[req].asked
 
 
 # -- the rules, by hand ---------------------------------------------------------------------------
@@ -55,7 +55,7 @@ def test_k_follows_the_last_verify_and_backs_off_after_misses():
         while asked(p, r) == 0:
             n += 1
         waits.append(n)
-        assert p.states[r.req_id].asked == 1    # after the pause, a probe of one draft
+        assert p.states[r].asked == 1    # after the pause, a probe of one draft
     assert waits == [1, 2, 4, 8, 16, MAX_WAIT, MAX_WAIT]
     p.update(r, 1, 1)
     assert asked(p, r) == 2                     # a kept probe grows again
@@ -303,3 +303,44 @@ def test_sampling_through_the_policy_keeps_the_models_distribution(monkeypatch):
         step_costs=CHEAP))
     assert chi_square_of(wrong, last) > CRITICAL_63
     assert math.isfinite(CRITICAL_63)
+
+
+def test_the_embedded_model_through_the_measured_policy_keeps_plain_decodings_tokens():
+    """The speed layer's default (the policy on costs measured on the model), on prompts that
+    lookup suits and on one it does not, through a pool that preempts: the tokens of decoding
+    without speculation."""
+    from minipaged import load_model, load_tokenizer
+    from minipaged.benchmarks.speculative import prompts as benchmark_prompts
+    from minipaged.fast import FastEngine
+    model, tok = load_model(), load_tokenizer()
+    # a question asked again after the model answered it (it repeats its answer), a text to
+    # repeat, and an open question
+    prompts = benchmark_prompts(model, tok, "lookup", 2) + benchmark_prompts(model, tok, "chat", 1)
+    for kw in (dict(), dict(num_blocks=40, preemption="swap")):
+        plain = generate(model, prompts, 40, cache="paged", stop_tokens=[], block_size=4, **kw)
+        trace = []
+        spec = generate(model, prompts, 40, cache="paged", stop_tokens=[], block_size=4,
+                        engine_class=FastEngine, speculative="ngram", num_speculative_tokens=4,
+                        draft_policy=DraftPolicy(trace=trace), **kw)
+        assert spec == plain, kw
+        assert any(row["drafts"] for row in trace)         # drafts ran
+
+
+def test_the_speed_layers_lookup_skips_only_what_cannot_match(tiny):
+    """FastEngine's `propose` skips the scan where the last two tokens never came before:
+    as a request grows step by step, its drafts are always stage 7's `ngram_propose`'s."""
+    from minipaged.fast import FastEngine
+    from minipaged.speculative import ngram_propose
+    rng = random.Random(5)
+    engine = FastEngine(tiny, 64, 4, speculative="ngram", num_speculative_tokens=3,
+                        draft_policy="fixed")
+    skipped = 0
+    for i in range(150):
+        req = Request(i, [rng.randrange(6) for _ in range(rng.randint(1, 8))], 40,
+                      output=[rng.randrange(6)])
+        for _ in range(20):
+            want = ngram_propose(req.prompt + req.output, 3, 2, 4)
+            assert engine.propose(req) == want
+            skipped += not want
+            req.output.append(rng.randrange(6))
+    assert skipped > 100
