@@ -82,17 +82,18 @@ class StepCosts:
         return tuple((1 - w) * c[i - 1] + w * c[i] for c in columns)
 
     @classmethod
-    def measure(cls, engine, batches=(1, 4, 16), repeat: int = 5) -> StepCosts:
-        """Time `engine`'s own steps on its model, in a scratch copy of it (`engine.scratch`):
-        for each batch size, a plain step, verify passes with one draft a row, with k a row,
-        and with k on every other row (drafts the model rejects, as a missed guess is), each
-        the fastest of `repeat`."""
+    def measure(cls, engine, batches=(1, 4, 16), repeat: int = 5,
+                context: int = 64) -> StepCosts:
+        """Time `engine`'s own steps on its model, in a scratch copy of it (`engine.scratch`,
+        rows of `context` tokens: every draft attends to all of them): for each batch size, a
+        plain step, verify passes with one draft a row, with k a row, and with k on every other
+        row (drafts the model rejects, as a missed guess is), each the fastest of `repeat`."""
         k = max(2, engine.num_speculative_tokens)
         ways = {"plain": lambda i: 0, "one": lambda i: 1, "k": lambda i: k,
                 "half": lambda i: k * (i % 2 == 0)}
         plain, fixed, per_draft, segment = [], [], [], []
         for B in batches:
-            scratch = engine.scratch(B, 2 + (repeat + 1) * (4 + 2 * k))
+            scratch = engine.scratch(B, 2 + (repeat + 1) * (4 + 2 * k), context)
             secs = {way: [] for way in ways}
             for way in list(ways) * (repeat + 1):       # the first round warms up, untimed
                 scratch.scheduler.propose = lambda reqs, d=ways[way]: {
@@ -114,13 +115,18 @@ _MEASURED = weakref.WeakKeyDictionary()       # model -> {(engine class, options
 
 
 def measured_costs(engine, measure: bool = True) -> StepCosts | None:
-    """`StepCosts.measure(engine)`, once per model, engine class, block size, k and thread
-    count (with measure=False: the costs if already measured, else None)."""
+    """`StepCosts.measure(engine)`, once per model, engine class, block size, k, thread count
+    and context length (that of the engine's running requests, rounded up to a power of two
+    from 64 to 1024: a draft's attention reads the whole context). With measure=False: the
+    costs if already measured, else None."""
+    running = engine.scheduler.running
+    mean = sum(r.num_tokens for r in running) / len(running) if running else 64
+    context = min(1024, max(64, 1 << (int(mean) - 1).bit_length()))
     key = (type(engine), engine.cache.block_size, engine.num_speculative_tokens,
-           torch.get_num_threads())
+           torch.get_num_threads(), context)
     per_model = _MEASURED.setdefault(engine.model, {})
     if key not in per_model and measure:
-        per_model[key] = StepCosts.measure(engine)
+        per_model[key] = StepCosts.measure(engine, context=context)
     return per_model.get(key)
 
 

@@ -257,18 +257,20 @@ class SpeculativeEngine(SharingEngine):
             return []
         return ngram_propose(req.prompt + req.output, k, *self.prompt_lookup)
 
-    def scratch(self, batch: int, max_new_tokens: int) -> SpeculativeEngine:
+    def scratch(self, batch: int, max_new_tokens: int, context: int = 16) -> SpeculativeEngine:
         """A copy of this engine (class, model, block size, backend) with `batch` requests of
-        16 prompt tokens prefilled, drafting nothing of its own: `StepCosts.measure` times its
-        steps."""
+        one prompt of `context` tokens prefilled (once: the others share its blocks through
+        the prefix cache), drafting nothing of its own: `StepCosts.measure` times its steps."""
         bs = self.cache.block_size
-        engine = type(self)(self.model, batch * -(-(16 + max_new_tokens) // bs), bs,
-                            max_num_seqs=batch, speculative="ngram",
+        engine = type(self)(self.model, batch * -(-(context + max_new_tokens) // bs), bs,
+                            max_num_seqs=batch, speculative="ngram", prefix_caching=True,
                             num_speculative_tokens=self.num_speculative_tokens,
                             draft_policy="fixed", **self.scratch_options)
-        for i in range(batch):
-            engine.add_request([1 + (i + j) % 7 for j in range(16)], max_new_tokens,
-                               stop_tokens=[])
+        prompt = [1 + j % 7 for j in range(context)]
+        engine.add_request(prompt, max_new_tokens, stop_tokens=[])
+        engine.step()                                            # the prompt, once
+        for _ in range(batch - 1):
+            engine.add_request(prompt, max_new_tokens, stop_tokens=[])
         engine.step()                                            # the prefills
         return engine
 
