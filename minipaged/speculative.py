@@ -158,18 +158,17 @@ class SpeculativeScheduler(SharingScheduler):
     def _schedule_decodes(self, out) -> int:
         committed = super()._schedule_decodes(out)          # one token each, preempting if dry
         drafts = self.propose(list(out.decode)) if self.propose else {}
-        for req in list(out.decode) if self.propose else ():
-            extra = self._lookahead(req, drafts.get(req, []),
-                                    self.cache.num_free_blocks - committed, None)
+        for req in [r for r in out.decode if r in drafts]:
+            extra = self._lookahead(req, drafts[req], self.cache.num_free_blocks - committed,
+                                    None)
             committed += extra
         return committed
 
     def _schedule_decode_tokens(self, out) -> None:
         super()._schedule_decode_tokens(out)                # one token each, within the budget
         drafts = self.propose(list(out.decode)) if self.propose else {}
-        for req in list(out.decode) if self.propose else ():
-            extra = self._lookahead(req, drafts.get(req, []), self._free(out),
-                                    self._budget_left(out))
+        for req in [r for r in out.decode if r in drafts]:
+            extra = self._lookahead(req, drafts[req], self._free(out), self._budget_left(out))
             out.num_tokens[req] += len(self.drafts.get(req, ()))
             out.new_blocks[req] += extra
 
