@@ -425,9 +425,10 @@ def greedy_tokens(logits) -> list[int]:
 class FastEngine(SpeculativeEngine):
     """`minipaged.Engine` (every stage's options, speculative decoding included) on the speed
     layer's cache. Speculation drafts only where it pays (`draft_policy="adaptive"` by
-    default; "fixed" drafts every step). With `adaptive_threads` (the default), a step runs on one thread fewer for
-    each core another process holds, and a run ends on the user's thread count (`threads.py`:
-    beside a busy core, every barrier of a step otherwise waits for the thread sharing it).
+    default; "fixed" drafts every step). With `adaptive_threads` (the default), a step runs on
+    one thread fewer for each core another process holds, and a run ends on the user's thread
+    count (`threads.py`: beside a busy core, every barrier of a step otherwise waits for the
+    thread sharing it).
     On a model with compiled steps (`compile_decode`), only among the thread counts its graphs
     were compiled for (`compile_decode(..., fewer_threads=True)` adds one fewer than the
     user's): a step under any other count would compile its graph again, mid-run."""
