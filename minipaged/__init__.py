@@ -13,7 +13,8 @@ Read the stages in order, each module beside its lesson (`lessons/`) and noteboo
     5b  chunked_prefill.py, chunked_engine.py      a token budget per step, prompts in chunks
     6   prefix_cache.py, sharing.py, sharing_engine.py   reference counts, copy-on-write, prefix caching
     6b  beams.py                                   beam search: beams fork and free shared blocks
-    7   speculative.py                             speculative decoding: drafts, one verify pass, rollback
+    7   speculative.py, draft_policy.py            speculative decoding: drafts, one verify pass, rollback;
+                                                   drafts that adapt to their acceptance and the batch
     8   serve/ (a subpackage)                      an OpenAI-compatible server, the pool live in a browser
     9   tensor_parallel.py                         the heads and their KV blocks split over N processes
 

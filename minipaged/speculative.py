@@ -27,6 +27,10 @@ On the paged cache a step is:
        tokens goes back to the pool. Blocks are named for the prefix cache only after that, so
        a hash never names a block holding a rejected token.
 
+How many drafts each request asks for and which of them a step runs is `DraftPolicy`'s choice
+(`draft_policy.py`): drafts that adapt to their acceptance and to the batch, so that a verify
+pass runs only where it is expected to pay for itself.
+
 Greedy, the tokens are exactly those of decoding without speculation. Sampling, `accept_sampled`
 is the rejection sampler for a draft that is one token with probability 1: accept draft x with
 probability p(x), else draw from p without x; the tokens follow the target's distribution.
@@ -40,6 +44,7 @@ import torch
 
 from .cache_manager import PAD_BLOCK
 from .chunked_engine import PackedBatch
+from .draft_policy import DraftPolicy
 from .errors import RequestError
 from .sampling import tempered_softmax
 from .sharing_engine import SharingEngine, SharingScheduler
@@ -129,11 +134,23 @@ def rollback(cache, seq_id: int, num_tokens: int) -> int:
     return freed
 
 
+def make_policy(draft_policy) -> DraftPolicy:
+    """The engine's `draft_policy` option as a `DraftPolicy`."""
+    if isinstance(draft_policy, DraftPolicy):
+        return draft_policy
+    if draft_policy == "adaptive":
+        return DraftPolicy()
+    if draft_policy == "fixed":
+        return DraftPolicy(adapt_k=False, batch_gate=False)
+    raise RequestError(f"draft_policy must be 'adaptive', 'fixed' or a DraftPolicy, not "
+                       f"{draft_policy!r}")
+
+
 # -- 1. lookahead slots ----------------------------------------------------------------------------
 class SpeculativeScheduler(SharingScheduler):
     """Stage 6's scheduler; then each decoding request also gets room for its drafts, oldest
     first, from the blocks (and, under a budget, the tokens) left over. `drafts` holds this
-    step's drafts per request; `propose(req)` makes them."""
+    step's drafts per request; `propose(reqs)` makes them for all decoding requests at once."""
 
     def __init__(self, *args, propose=None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -146,22 +163,24 @@ class SpeculativeScheduler(SharingScheduler):
 
     def _schedule_decodes(self, out) -> int:
         committed = super()._schedule_decodes(out)          # one token each, preempting if dry
-        for req in list(out.decode) if self.propose else ():
-            extra = self._lookahead(req, self.cache.num_free_blocks - committed, None)
+        drafts = self.propose(list(out.decode)) if self.propose else {}
+        for req in [r for r in out.decode if r in drafts]:
+            extra = self._lookahead(req, drafts[req], self.cache.num_free_blocks - committed,
+                                    None)
             committed += extra
         return committed
 
     def _schedule_decode_tokens(self, out) -> None:
         super()._schedule_decode_tokens(out)                # one token each, within the budget
-        for req in list(out.decode) if self.propose else ():
-            extra = self._lookahead(req, self._free(out), self._budget_left(out))
+        drafts = self.propose(list(out.decode)) if self.propose else {}
+        for req in [r for r in out.decode if r in drafts]:
+            extra = self._lookahead(req, drafts[req], self._free(out), self._budget_left(out))
             out.num_tokens[req] += len(self.drafts.get(req, ()))
             out.new_blocks[req] += extra
 
-    def _lookahead(self, req, free_blocks: int, budget: int | None) -> int:
+    def _lookahead(self, req, drafts, free_blocks: int, budget: int | None) -> int:
         """Give `req` as many of its drafts as the free blocks and the budget hold; returns the
         blocks those drafts add to its one-token growth."""
-        drafts = self.propose(req)
         if budget is not None:
             drafts = drafts[:max(0, budget)]
         one = self.cache.blocks_to_grow(req.seq_id, 1)
@@ -196,12 +215,15 @@ class SpeculativeStats:
 # -- the engine ------------------------------------------------------------------------------------
 class SpeculativeEngine(SharingEngine):
     """Stage 6's engine with `speculative="ngram"` and `num_speculative_tokens=k` (None: stage
-    6's engine, unchanged). `prompt_lookup_min`/`prompt_lookup_max`: the n-gram lengths tried."""
+    6's engine, unchanged). `prompt_lookup_min`/`prompt_lookup_max`: the n-gram lengths tried.
+    `draft_policy`: "fixed" (every step drafts up to k: the mechanism, step by step),
+    "adaptive" (drafts that adapt to each request's acceptance and to the batch, measured on
+    the model: `draft_policy.py`; the speed layer's default), or a `DraftPolicy`."""
 
     def __init__(self, model, num_blocks: int | None = None, block_size: int = 16,
                  preemption: str = "recompute", *, speculative: str | None = None,
-                 num_speculative_tokens: int | None = None, prompt_lookup_min: int = 1,
-                 prompt_lookup_max: int = 4, **options):
+                 num_speculative_tokens: int | None = None, prompt_lookup_min: int = 2,
+                 prompt_lookup_max: int = 4, draft_policy="fixed", **options):
         k = num_speculative_tokens
         if speculative is not None and speculative not in METHODS:
             raise RequestError(f"speculative must be one of {', '.join(METHODS)} (or None), not "
@@ -217,21 +239,45 @@ class SpeculativeEngine(SharingEngine):
                                f"1 <= min <= max, not {lo!r} and {hi!r}")
         self.speculative, self.num_speculative_tokens = speculative, k
         self.prompt_lookup = (lo, hi)
+        self.policy = make_policy(draft_policy)
+        self.scratch_options = {o: options[o] for o in ("backend", "kv_dtype") if o in options}
         self.spec = SpeculativeStats()
         super().__init__(model, num_blocks, block_size, preemption, **options)
 
     def new_scheduler(self, *args) -> SpeculativeScheduler:
         return SpeculativeScheduler(*args, max_num_batched_tokens=self.max_num_batched_tokens,
-                                    propose=self.propose if self.speculative else None)
+                                    propose=self.draft if self.speculative else None)
+
+    def draft(self, reqs) -> dict:
+        """This step's drafts: each decoding request's proposal, cut by the policy (no lookup
+        at all where the policy sees that no draft could pay)."""
+        return self.policy.drafts(reqs, self.propose, self)
 
     def propose(self, req) -> list[int]:
-        """Drafts for a decoding request: never more than would take it past max_new_tokens
-        (the verify pass always adds one token of the target's own)."""
-        room = req.max_new_tokens - len(req.output) - 1
-        if room <= 0:
+        """Drafts for a decoding request: as many as the policy allows it, never more than
+        would take it past max_new_tokens (the verify pass always adds one token of its own)."""
+        k = min(self.policy.k_for(req, self.num_speculative_tokens),
+                req.max_new_tokens - len(req.output) - 1)
+        if k <= 0:
             return []
-        return ngram_propose(req.prompt + req.output, min(self.num_speculative_tokens, room),
-                             *self.prompt_lookup)
+        return ngram_propose(req.prompt + req.output, k, *self.prompt_lookup)
+
+    def scratch(self, batch: int, max_new_tokens: int, context: int = 16) -> SpeculativeEngine:
+        """A copy of this engine (class, model, block size, backend) with `batch` requests of
+        one prompt of `context` tokens prefilled (once: the others share its blocks through
+        the prefix cache), drafting nothing of its own: `StepCosts.measure` times its steps."""
+        bs = self.cache.block_size
+        engine = type(self)(self.model, batch * -(-(context + max_new_tokens) // bs), bs,
+                            max_num_seqs=batch, speculative="ngram", prefix_caching=True,
+                            num_speculative_tokens=self.num_speculative_tokens,
+                            draft_policy="fixed", **self.scratch_options)
+        prompt = [1 + j % 7 for j in range(context)]
+        engine.add_request(prompt, max_new_tokens, stop_tokens=[])
+        engine.step()                                            # the prompt, once
+        for _ in range(batch - 1):
+            engine.add_request(prompt, max_new_tokens, stop_tokens=[])
+        engine.step()                                            # the prefills
+        return engine
 
     def _run_model(self, plan) -> list:
         """The decodes first, with their drafts, in one verify forward; then stage 6's calls for
@@ -273,6 +319,8 @@ class SpeculativeEngine(SharingEngine):
             rows = logits[start:start + d + 1]                               # (d + 1, V)
             start += d + 1
             out = self.accept(r, drafts[r], rows)
+            if d:
+                self.policy.update(r, d, len(out) - 1)
             held = int(self.cache.managers[0].seq_lens[r.seq_id])
             self.spec.rolled_back_blocks += rollback(self.cache, r.seq_id, held - d + len(out) - 1)
             self.tokens_run[r] = 1 + d

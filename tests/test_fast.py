@@ -933,11 +933,14 @@ def test_the_backend_is_chosen_once_a_step_not_once_a_layer(monkeypatch):
     dict(n=2, temperature=0.8, prefix_caching=True),
     dict(speculative="ngram", num_speculative_tokens=4),
     dict(num_blocks=12, block_size=4, speculative="ngram", num_speculative_tokens=2),
-    dict(temperature=0.8, speculative="ngram", num_speculative_tokens=3)], ids=repr)
+    dict(temperature=0.8, speculative="ngram", num_speculative_tokens=3,
+         draft_policy="fixed")], ids=repr)
 def test_the_speed_layers_engine_gives_the_engines_tokens(options):
     """FastEngine (the engine on FastSharedPagedCache) against the Engine, under preemption,
     swapping, prefix caching, a token budget, parallel sampling and speculative decoding;
-    greedy runs also against the no-cache forward."""
+    greedy runs also against the no-cache forward. Sampled with speculation, both draft every
+    step (`draft_policy="fixed"`): the draws follow the drafts, so the same drafts give the
+    same samples."""
     model = tiny_model()
     prompts = [list(range(1, 19)), list(range(1, 17)) + [40, 41], [5, 6]]
     want = generate(model, prompts, 12, cache="paged", stop_tokens=[], **options)

@@ -34,8 +34,11 @@ def repetitive_prompts(seed=0, vocab=512):
 
 
 def run(model, prompts, max_new, **options):
-    """The engine's outputs and the engine (for its stats)."""
+    """The engine's outputs and the engine (for its stats). Every step drafts up to k from
+    matches as short as one token, unless a test asks for another policy."""
     options.setdefault("num_blocks", 256)
+    options.setdefault("draft_policy", "fixed")
+    options.setdefault("prompt_lookup_min", 1)
     engine = SpeculativeEngine(model, max_num_seqs=8, **options)
     for p in prompts:
         engine.add_request(p, max_new, stop_tokens=[])
@@ -165,6 +168,7 @@ class PlantedDrafts(SpeculativeEngine):
 
 def run_planted(model, prompts, reference, max_new, seed=0, **options):
     options.setdefault("num_blocks", 256)
+    options.setdefault("draft_policy", "fixed")
     PlantedDrafts.truth = {tuple(p): r for p, r in zip(prompts, reference)}
     PlantedDrafts.rng = random.Random(seed)
     engine = PlantedDrafts(model, max_num_seqs=8, speculative="ngram", **options)
@@ -309,7 +313,8 @@ def test_the_speed_layers_engine_speculates_exactly(tiny32, block_size, monkeypa
                         lambda q, *a: through_kernel.append(q.shape[1]) or real(q, *a))
     for k in KS:
         engine = FastEngine(model, 256, block_size, max_num_seqs=8, speculative="ngram",
-                            num_speculative_tokens=k)
+                            num_speculative_tokens=k, draft_policy="fixed",
+                            prompt_lookup_min=1)
         for p in repetitive_prompts():
             engine.add_request(p, 24, stop_tokens=[])
         assert [r.output for r in engine.run()] == reference, k
@@ -344,7 +349,8 @@ def test_smollm2_greedy_tokens_unchanged():
 def test_the_benchmark_runs_and_its_rows_keep_the_tokens(tmp_path):
     """`python -m minipaged.benchmarks.speculative`, short: it runs to the end on the embedded
     model (its lookup prompts are cut from a source file of the package, whatever its length),
-    and every row says speculation kept the plain decode's tokens."""
+    every row says speculation kept the plain decode's tokens under both drafting policies, and
+    it prints the step costs the adaptive policy measured."""
     import subprocess
     import sys
     from pathlib import Path
@@ -355,5 +361,6 @@ def test_the_benchmark_runs_and_its_rows_keep_the_tokens(tmp_path):
                          env={**__import__("os").environ, "PYTHONPATH": str(root),
                               "COLUMNS": "200"})
     assert run.returncode == 0, run.stderr[-2000:]
-    rows = [line for line in run.stdout.splitlines() if "lookup" in line or "chat" in line]
+    rows = [line for line in run.stdout.splitlines() if line.startswith(("│ lookup", "│ chat"))]
     assert len(rows) == 4 and all("✓" in row for row in rows), run.stdout
+    assert "measured step costs" in run.stdout and "batch 16:" in run.stdout

@@ -49,7 +49,8 @@ class SpeculativeSteps(RuleBasedStateMachine):
         self.engine = RandomAcceptance(FakeModel(seed, vocab=VOCAB), NUM_BLOCKS, BS, preemption,
                                        max_num_batched_tokens=budget, max_num_seqs=4,
                                        prefix_caching=prefix_caching, speculative="ngram",
-                                       num_speculative_tokens=k, num_cpu_blocks=NUM_BLOCKS)
+                                       num_speculative_tokens=k, num_cpu_blocks=NUM_BLOCKS,
+                                       draft_policy="fixed")
         self.steps = 0
 
     @rule(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10),

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -423,17 +424,23 @@ def greedy_tokens(logits) -> list[int]:
 
 class FastEngine(SpeculativeEngine):
     """`minipaged.Engine` (every stage's options, speculative decoding included) on the speed
-    layer's cache. With `adaptive_threads` (the default), a step runs on one thread fewer for
-    each core another process holds, and a run ends on the user's thread count (`threads.py`:
-    beside a busy core, every barrier of a step otherwise waits for the thread sharing it).
+    layer's cache. Speculation drafts only where it pays (`draft_policy="adaptive"` by
+    default; "fixed" drafts every step). With `adaptive_threads` (the default), a step runs on
+    one thread fewer for each core another process holds, and a run ends on the user's thread
+    count (`threads.py`: beside a busy core, every barrier of a step otherwise waits for the
+    thread sharing it).
     On a model with compiled steps (`compile_decode`), only among the thread counts its graphs
     were compiled for (`compile_decode(..., fewer_threads=True)` adds one fewer than the
     user's): a step under any other count would compile its graph again, mid-run."""
 
     def __init__(self, *args, adaptive_threads: bool = True, **options):
         check_flag("adaptive_threads", adaptive_threads)
+        options.setdefault("draft_policy", "adaptive")     # speculation only where it pays
         super().__init__(*args, **options)
         self.threads = AdaptiveThreads() if adaptive_threads else None
+        self.scratch_options["adaptive_threads"] = False    # its steps are timed, not served
+        # request -> (the token pairs before its last two tokens, how far it was read)
+        self._pairs = weakref.WeakKeyDictionary()
 
     def step(self):
         if self.threads is None:
@@ -460,6 +467,20 @@ class FastEngine(SpeculativeEngine):
         finally:
             if self.threads is not None:
                 self.threads.restore()
+
+    def propose(self, req) -> list[int]:
+        """Stage 7's lookup, skipped where it cannot match: every n-gram of at least two tokens
+        ends with the sequence's last two, so if that pair never came before, lookup finds
+        nothing. Each request keeps the pairs seen so far (`_pairs`), so the check costs a set
+        lookup where the scan costs a pass over the whole text, per request and step."""
+        if self.prompt_lookup[0] >= 2:
+            seq = req.prompt + req.output
+            pairs, upto = self._pairs.get(req, (set(), 0))
+            pairs.update(zip(seq[upto:len(seq) - 2], seq[upto + 1:len(seq) - 1]))
+            self._pairs[req] = (pairs, max(upto, len(seq) - 2))
+            if len(seq) < 3 or (seq[-2], seq[-1]) not in pairs:
+                return []
+        return super().propose(req)
 
     def _sample(self, reqs, logits) -> list[int]:
         """The engine's `_sample`; a batch of greedy requests only through `greedy_tokens`."""

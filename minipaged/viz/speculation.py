@@ -1,6 +1,7 @@
 """Stage 7 drawn: the lookahead slots of a verify step in the block table, which of them are
 accepted, rejected and given back, the rollback across a block boundary, the copy-on-write of a
-shared last block before drafts land in it, and the acceptance rate against k.
+shared last block before drafts land in it, the acceptance rate against k, and the drafting
+policy's choices step by step (`plot_draft_policy`).
 
 The traces run stage 7's own code (`PagedCache.prepare` for the lookahead slots, `rollback`
 after the verify pass) on a tiny SharedPagedCache with no model: the drawing needs the tables,
@@ -10,6 +11,7 @@ not the K/V.
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+import numpy as np
 from matplotlib.patches import Rectangle
 
 from ..model import ModelArgs
@@ -132,6 +134,45 @@ def plot_acceptance(results: dict, title: str = "n-gram drafts: what verificatio
     for ax in (left, right):
         ax.legend()
         ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_draft_policy(trace, title: str = "The drafting policy, step by step"):
+    """trace: `DraftPolicy(trace=[])`'s rows (step, req_id, k, found, drafts, kept). Left: the
+    drafts each request could ask for at each step (k; 0 while it waits); right: how many of
+    the drafts that ran the verify pass kept (colour: the share; blank: no draft ran; ×: lookup
+    found drafts that the batch gate did not run)."""
+    reqs = sorted({r["req_id"] for r in trace})
+    steps = sorted({r["step"] for r in trace})
+    col = {s: j for j, s in enumerate(steps)}
+    k = np.full((len(reqs), len(steps)), np.nan)
+    kept = np.full((len(reqs), len(steps)), np.nan)
+    for r in trace:
+        i, j = reqs.index(r["req_id"]), col[r["step"]]
+        k[i, j] = r["k"]
+        if r["drafts"]:
+            kept[i, j] = r["kept"] / r["drafts"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.5 * len(reqs) + 2.2), sharey=True)
+    a = left.imshow(k, aspect="auto", cmap="Blues", vmin=0, vmax=np.nanmax(k) or 1)
+    b = right.imshow(kept, aspect="auto", cmap="RdYlGn", vmin=0, vmax=1)
+    for r in trace:
+        i, j = reqs.index(r["req_id"]), col[r["step"]]
+        if r["drafts"]:
+            right.text(j, i, r["kept"], ha="center", va="center", fontsize=7)
+        if r["found"] > r["drafts"]:
+            right.text(j, i + 0.3, "×", ha="center", va="center", fontsize=7, color="grey")
+    left.set(title="k: drafts the request may ask for (0: waiting)", xlabel="engine step",
+             ylabel="request")
+    right.set(title="drafts kept of those run (colour: share kept; ×: drafts found, not run)",
+              xlabel="engine step")
+    for ax in (left, right):
+        ax.set_yticks(range(len(reqs)), [f"request {q}" for q in reqs])
+        ax.set_xticks(range(0, len(steps), max(1, len(steps) // 12)),
+                      [steps[j] for j in range(0, len(steps), max(1, len(steps) // 12))])
+    fig.colorbar(a, ax=left, fraction=0.04, label="k")
+    fig.colorbar(b, ax=right, fraction=0.04, label="share of the run drafts kept")
     fig.suptitle(title)
     fig.tight_layout()
     return fig
