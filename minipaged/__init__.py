@@ -37,6 +37,7 @@ if "torch" not in sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & se
     os.environ["GOMP_SPINCOUNT"] = "10000"
 
 from . import cpu_attention, triton_attention  # register backend="cpu" and "triton" (asked by name)
+from . import kv_quant  # registers kv_dtype="int8" (asked by name)
 from .api import Engine, beam_search, generate
 from .errors import (CheckpointError, MiniPagedError, NotEnoughMemoryError, OutOfBlocksError,
                      RequestError, TokenizerError, TraceError, UsageError)

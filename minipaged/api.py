@@ -28,7 +28,7 @@ Engine = SpeculativeEngine   # the engine with every stage's options
 __all__ = ["Engine", "PAGED_OPTIONS", "beam_search", "generate"]
 PAGED_OPTIONS = ("block_size", "num_blocks", "kv_budget", "preemption", "num_cpu_blocks",
                  "watermark", "backend", "max_num_seqs", "prefix_caching",
-                 "max_num_batched_tokens", "speculative", "num_speculative_tokens")
+                 "max_num_batched_tokens", "speculative", "num_speculative_tokens", "kv_dtype")
 
 
 @torch.inference_mode()
@@ -47,7 +47,8 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
     is preempted), preemption ("recompute" or "swap"), num_cpu_blocks, watermark, backend,
     max_num_seqs, prefix_caching (False unless asked for), max_num_batched_tokens (None:
     whole prefills; N: no step runs more than N tokens, prompts are prefilled in chunks), and
-    speculative="ngram" with num_speculative_tokens=k (stage 7: k drafts a step). A pool
+    speculative="ngram" with num_speculative_tokens=k (stage 7: k drafts a step), kv_dtype
+    (None: the model's dtype; "int8": int8 blocks with their scales, stage 4b). A pool
     too small for all the prompts at once makes the engine admit and preempt rather than fail.
 
     n=K returns K samples per prompt, each entry a list of K token lists (n=1 keeps the flat
