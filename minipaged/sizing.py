@@ -35,8 +35,7 @@ def pool_blocks(args, dtype, block_size: int, num_blocks: int | None = None,
 
 
 def static_pool_blocks(model, prompts, max_new_tokens, max_seq_len: int, block_size: int,
-                       num_blocks: int | None, kv_budget: int | None, options: dict,
-                       kv_dtype: str | None = None) -> int:
+                       num_blocks: int | None, kv_budget: int | None, options: dict) -> int:
     """`pool_blocks` for a static batch (stage 3's `generate_paged`: its request checked first,
     `options` its temperature and top_p), which cannot wait or preempt (that is stage 5): a pool
     too small for every prompt at its full length at once is refused."""
@@ -44,7 +43,7 @@ def static_pool_blocks(model, prompts, max_new_tokens, max_seq_len: int, block_s
                            options.get("top_p", 1.0), max_seq_len)
     lengths = [len(p) + m for p, m in zip(prompts, limits)]
     args, dtype = model.args, next(model.parameters()).dtype
-    blocks = pool_blocks(args, dtype, block_size, num_blocks, kv_budget, lengths, kv_dtype)
+    blocks = pool_blocks(args, dtype, block_size, num_blocks, kv_budget, lengths)
     worst = pool_blocks(args, dtype, block_size, lengths=lengths)
     if worst > blocks:
         raise OutOfBlocksError(
