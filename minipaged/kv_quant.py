@@ -56,7 +56,8 @@ def dequantize_int8(packed: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
 
 def split_int8(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes (..., D) int8, scales (...,) float32): what a slot holds, for the drawings."""
-    return packed[..., :-SCALE_BYTES], packed[..., -SCALE_BYTES:].view(torch.float16)[..., 0].float()
+    scale = packed[..., -SCALE_BYTES:].view(torch.float16)[..., 0].float()
+    return packed[..., :-SCALE_BYTES], scale
 
 
 def flash_attn_with_int8_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,

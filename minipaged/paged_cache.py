@@ -35,7 +35,7 @@ class PagedCache(PagedCacheQueries):
         self.num_blocks, self.block_size, self.max_seq_len = num_blocks, block_size, max_seq_len
         check_sizes(num_blocks=num_blocks, block_size=block_size, max_seq_len=max_seq_len)
         max_blocks = min(num_blocks, -(-max_seq_len // block_size))   # no table outgrows the pool
-        slot, store = stored_layout(args.head_dim, dtype, kv_dtype)   # (head_dim, dtype) unless int8
+        slot, store = stored_layout(args.head_dim, dtype, kv_dtype)   # what a slot stores
         check_pool(num_blocks, block_size, args.n_kv_heads, slot, max_seqs, max_blocks,
                    device, store, kv_bytes_per_token, args.n_layers)  # all layers, before any
         self.managers = [self.new_manager(num_blocks, block_size, args.n_kv_heads, slot,

@@ -1,7 +1,7 @@
 """Int8 KV blocks (stage 4b) against fp32 and bf16 ones: capacity, accuracy and attention speed.
 
-    python -m minipaged.benchmarks.kv_int8                        # embedded model + SmolLM2 (~5 min)
-    python -m minipaged.benchmarks.kv_int8 --models embedded --skip-speed    # quicker
+    python -m minipaged.benchmarks.kv_int8                  # embedded model + SmolLM2 (~5 min)
+    python -m minipaged.benchmarks.kv_int8 --models embedded --skip-speed   # quicker
 
 1. Capacity: bytes one token's K and V take in every layer, and tokens a KV budget
    (`--budget-mib`) holds as blocks of 16, for the embedded model, SmolLM2-135M and Llama 3 8B's
@@ -118,7 +118,8 @@ def attention_speed(contexts, batches, repeats: int, Hq=9, Hk=3, D=64, block_siz
             for name in ("fp32", "bf16", "int8"):
                 if name == "int8":
                     pool = quantize_int8(kv)
-                    call = lambda: flash_attn_with_int8_kvcache(q, pool, pool, k, v, lens, table)  # noqa: E731
+                    call = lambda: flash_attn_with_int8_kvcache(  # noqa: E731
+                        q, pool, pool, k, v, lens, table)
                 else:
                     dt = torch.float32 if name == "fp32" else torch.bfloat16
                     pool, qd, kd, vd = kv.to(dt), q.to(dt), k.to(dt), v.to(dt)
