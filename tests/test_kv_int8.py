@@ -15,6 +15,7 @@ import torch
 
 from conftest import tiny_model
 from minipaged import Engine, ModelArgs, beam_search, generate
+from minipaged.chat.app import main as chat_main
 from minipaged.errors import RequestError
 from minipaged.fast import FastEngine
 from minipaged.kv_budget import bytes_per_block
@@ -22,6 +23,7 @@ from minipaged.kv_cache import attention_over_cache, kv_bytes_per_token
 from minipaged.kv_formats import stored_layout
 from minipaged.kv_quant import dequantize_int8, flash_attn_with_int8_kvcache, quantize_int8
 from minipaged.paged_cache import PagedCache
+from minipaged.serve.server import build as serve_build
 from minipaged.sharing import SharedPagedCache
 from minipaged.sizing import pool_blocks
 from minipaged.speculative import rollback
@@ -346,3 +348,18 @@ def test_the_speed_layer_serves_int8_blocks_with_the_same_tokens(f32):
                     kv_dtype="int8")
     assert generate(f32, prompts, 10, cache="paged", block_size=4, stop_tokens=[],
                     kv_dtype="int8", engine_class=FastEngine) == want
+
+
+def test_the_chat_and_the_server_take_kv_dtype(capsys):
+    """`python -m minipaged.chat --kv-dtype int8` answers as the fp32 blocks do (this prompt's
+    reply is the same); with the contiguous cache it is one line and exit 2; the server's
+    engine holds int8 blocks."""
+    question = ["--prompt", "what is a block?", "--max-new-tokens", "12"]
+    assert chat_main(question) == 0
+    fp32 = capsys.readouterr().out
+    assert chat_main(question + ["--kv-dtype", "int8"]) == 0
+    assert capsys.readouterr().out == fp32
+    assert chat_main(question + ["--kv-dtype", "int8", "--cache", "contiguous"]) == 2
+    assert capsys.readouterr().err.startswith("error: --kv-dtype int8 stores paged blocks")
+    loop, _, _, _ = serve_build(kv_dtype="int8", num_blocks=8)
+    assert loop.engine.cache.managers[0].k_cache_paged.dtype == torch.int8
