@@ -9,7 +9,8 @@
 2. Accuracy against fp32 blocks, the model in fp32: greedy tokens of 16 chat prompts x
    `--new-tokens` (how many match before the first difference); the largest logit error per
    decode step, both caches fed the fp32 run's tokens (teacher-forced), beside the spread (std)
-   of the logits; perplexity of the embedded corpus's held-out dialogs in windows of 256 tokens.
+   of the logits; where int8's tokens differ, how close fp32's best two tokens were there;
+   perplexity of the embedded corpus's held-out dialogs in windows of 256 tokens.
 3. Speed: one layer's decode attention (stage 3's PyTorch path: write, gather, attend) at
    `--contexts` tokens of context, batch 1 and 16, SmolLM2's heads (9 query, 3 KV, head_dim 64);
    the median of `--repeats` calls, int8 beside fp32 and bf16 in the same run.
@@ -69,26 +70,30 @@ def greedy_agreement(model, prompts, new_tokens: int):
 
 
 @torch.inference_mode()
-def logit_errors(model, prompts, outputs):
+def logit_errors(model, prompts, outputs, first_differences):
     """Per decode step (over every prompt): the largest |logit int8 - logit fp32| and the mean
-    std of the fp32 logits, both caches fed the same tokens (the fp32 run's)."""
-    errors, spreads = [], []
-    for prompt, out in zip(prompts, outputs):
+    std of the fp32 logits, both caches fed the same tokens (the fp32 run's); and per prompt
+    whose tokens differ, the fp32 logits' margin between its best two tokens where they do."""
+    errors, spreads, margins = [], [], []
+    for prompt, out, first in zip(prompts, outputs, first_differences):
         caches = [PagedCache(model.args, -(-(len(prompt) + len(out)) // 16), 16, 1,
                              len(prompt) + len(out), kv_dtype=kv) for kv in (None, "int8")]
         for c in caches:
             c.prepare([0], len(prompt))
         logits = [model(torch.tensor([prompt]), cache=c, last_only=True) for c in caches]
-        for step, t in enumerate(out[:-1]):
+        for step, t in enumerate(out):
             if len(errors) <= step:
                 errors.append(0.0)
                 spreads.append([])
             errors[step] = max(errors[step], float((logits[1] - logits[0]).abs().max()))
             spreads[step].append(float(logits[0].std()))
+            if step == first:
+                top2 = logits[0].flatten().topk(2).values
+                margins.append(float(top2[0] - top2[1]))
             for c in caches:
                 c.prepare([0], 1)
             logits = [model(torch.tensor([[t]]), cache=c) for c in caches]
-    return errors, [statistics.mean(s) for s in spreads]
+    return errors, [statistics.mean(s) for s in spreads], margins
 
 
 @torch.inference_mode()
@@ -172,17 +177,21 @@ def main(argv=None):
     t = Table(title=f"2. Accuracy of int8 blocks against fp32 blocks (model in fp32, 16 chat "
                     f"prompts x {args.new_tokens} greedy tokens)")
     for c in ("model", "prompts identical", "tokens matched before the 1st difference (mean, min)",
-              "max |logit error|, any step", "mean logit std", "held-out perplexity fp32 / int8"):
+              "max |logit error|, any step", "mean logit std",
+              "fp32 top-2 margin at the 1st difference (median, max)",
+              "held-out perplexity fp32 / int8"):
         t.add_column(c, justify="right")
     for name, (model, tok) in loaded.items():
         prompts = chat_prompts(tok)
         want, same = greedy_agreement(model, prompts, args.new_tokens)
-        errors, spreads = logit_errors(model, prompts, want)
+        errors, spreads, margins = logit_errors(model, prompts, want, same)
         stream = token_stream(chat_format(tok), build_corpus().heldout)
         ppl = [perplexity(model, stream, kv_dtype=kv) for kv in (None, "int8")]
         t.add_row(name, f"{sum(s == args.new_tokens for s in same)} / {len(same)}",
                   f"{statistics.mean(same):.1f}, {min(same)}", f"{max(errors):.4f}",
-                  f"{statistics.mean(spreads):.2f}", f"{ppl[0]:.5f} / {ppl[1]:.5f}")
+                  f"{statistics.mean(spreads):.2f}",
+                  f"{statistics.median(margins):.3f}, {max(margins):.3f}" if margins else "-",
+                  f"{ppl[0]:.5f} / {ppl[1]:.5f}")
         console.print(f"[dim]{name}: max |logit error| per decode step: "
                       + " ".join(f"{e:.3f}" for e in errors[:16]) + " ...[/dim]")
     console.print(t)
