@@ -15,8 +15,8 @@ from .errors import RequestError
 
 class KVFormat(NamedTuple):
     """`layout(head_dim, dtype)` -> (last dimension, dtype) of the pool's slots;
-    `attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table)` writes the new k/v into the
-    pool in this format and attends (flash_attn_with_kvcache's paged call, causal);
+    `attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, backend=...)` writes the new
+    k/v into the pool in this format and attends (flash_attn_with_kvcache's paged call, causal);
     `backends`: the `backend=` names that may be asked for beside it."""
     layout: Callable
     attend: Callable
@@ -38,8 +38,9 @@ def check_kv_dtype(kv_dtype, backend: str = "auto"):
         raise RequestError(f"kv_dtype must be None (the model's dtype) or one of {names}, "
                            f"not {kv_dtype!r}")
     if kv_dtype is not None and backend not in KV_FORMATS[kv_dtype].backends:
-        raise RequestError(f"kv_dtype={kv_dtype!r} blocks are read by the PyTorch path only: use "
-                           f"backend='auto' or 'torch', not {backend!r}")
+        names = ", ".join(repr(n) for n in KV_FORMATS[kv_dtype].backends)
+        raise RequestError(f"kv_dtype={kv_dtype!r} blocks are read by the backends {names}, "
+                           f"not {backend!r}")
     return kv_dtype
 
 

@@ -79,7 +79,8 @@ class PagedCache(PagedCacheQueries):
         m = self.managers[layer]
         if self.kv_dtype is not None:        # e.g. stage 4b's int8: quantize in, dequantize out
             return KV_FORMATS[self.kv_dtype].attend(q, m.k_cache_paged, m.v_cache_paged, k, v,
-                                                    self.cache_seqlens, self.block_tables[layer])
+                                                    self.cache_seqlens, self.block_tables[layer],
+                                                    backend=self.backend)
         return flash_attn_with_kvcache(q, m.k_cache_paged, m.v_cache_paged, k, v,
                                        cache_seqlens=self.cache_seqlens,
                                        block_table=self.block_tables[layer], causal=True,

@@ -337,7 +337,7 @@ def test_beams_forked_on_int8_blocks_score_as_an_unshared_int8_run(f32):
 def test_bad_kv_dtype_is_one_clear_error(f32):
     with pytest.raises(RequestError, match="kv_dtype must be None"):
         generate(f32, [[1, 2]], 2, cache="paged", kv_dtype="int4")
-    with pytest.raises(RequestError, match="PyTorch path only"):
+    with pytest.raises(RequestError, match="read by the backends 'auto', 'torch', 'cpu'"):
         generate(f32, [[1, 2]], 2, cache="paged", kv_dtype="int8", backend="triton")
 
 
@@ -363,3 +363,29 @@ def test_the_chat_and_the_server_take_kv_dtype(capsys):
     assert capsys.readouterr().err.startswith("error: --kv-dtype int8 stores paged blocks")
     loop, _, _, _ = serve_build(kv_dtype="int8", num_blocks=8)
     assert loop.engine.cache.managers[0].k_cache_paged.dtype == torch.int8
+
+
+@pytest.mark.parametrize("v_size", [1.0, 1e-4])      # 1e-4: every V scale a subnormal fp16
+def test_the_c_kernel_reads_int8_slots_as_the_pytorch_path_does(f32, v_size):
+    """backend="cpu": stage 3b's C kernel reads each row's codes and float16 scale where they
+    lie; a decode step's output is the PyTorch path's (float rounding apart), for keys of many
+    sizes and values whose scales are subnormal float16 numbers; whole runs give the same
+    tokens."""
+    q, lens, table, k_old, v_old, k_new, v_new, bs, N = random_paged_call(2)
+    k_new, v_new, q = k_new[:, :1], v_new[:, :1] * v_size, q[:, :1]
+    B, _, Hk, D = k_new.shape
+    pools = torch.zeros(2, N, bs, Hk, D + 2, dtype=torch.int8)
+    for b in range(B):
+        for p in range(int(lens[b])):
+            blk, off = int(table[b, p // bs]), p % bs
+            pools[0, blk, off] = quantize_int8(k_old[b, p] * 10 ** (p % 5 - 2))
+            pools[1, blk, off] = quantize_int8(v_old[b, p] * v_size)
+    got, want = (flash_attn_with_int8_kvcache(q, *pools.clone(), k_new, v_new, lens, table,
+                                              backend=backend) for backend in ("cpu", "torch"))
+    assert torch.allclose(got, want, atol=1e-5 * v_size, rtol=1e-4)
+    if v_size == 1.0:
+        prompts = prompts_of(11, (7, 12))
+        assert generate(f32, prompts, 10, cache="paged", block_size=4, stop_tokens=[],
+                        kv_dtype="int8", backend="cpu") == \
+            generate(f32, prompts, 10, cache="paged", block_size=4, stop_tokens=[],
+                     kv_dtype="int8")

@@ -11,8 +11,9 @@
    decode step, both caches fed the fp32 run's tokens (teacher-forced), beside the spread (std)
    of the logits; where int8's tokens differ, how close fp32's best two tokens were there;
    perplexity of the embedded corpus's held-out dialogs in windows of 256 tokens.
-3. Speed: one layer's decode attention (stage 3's PyTorch path: write, gather, attend) at
-   `--contexts` tokens of context, batch 1 and 16, SmolLM2's heads (9 query, 3 KV, head_dim 64);
+3. Speed: one layer's decode attention at `--contexts` tokens of context, batch 1 and 16,
+   SmolLM2's heads (9 query, 3 KV, head_dim 64), on stage 3's PyTorch path (write, gather,
+   attend) and on stage 3b's C kernel (`backend="cpu"`, which reads the blocks where they lie);
    the median of `--repeats` calls, int8 beside fp32 and bf16 in the same run.
 """
 
@@ -109,8 +110,10 @@ def perplexity(model, stream, window: int = 256, windows: int = 32, kv_dtype=Non
     return float(torch.tensor(losses).mean().exp())
 
 
-def attention_speed(contexts, batches, repeats: int, Hq=9, Hk=3, D=64, block_size=16):
-    """Median microseconds of one layer's decode attention, per (context, batch) and format."""
+def attention_speed(contexts, batches, repeats: int, backend: str, Hq=9, Hk=3, D=64,
+                    block_size=16):
+    """Median microseconds of one layer's decode attention, per (context, batch) and format,
+    through `backend` ("torch" or "cpu")."""
     g = torch.Generator().manual_seed(0)
     out = {}
     for ctx in contexts:
@@ -124,13 +127,13 @@ def attention_speed(contexts, batches, repeats: int, Hq=9, Hk=3, D=64, block_siz
                 if name == "int8":
                     pool = quantize_int8(kv)
                     call = lambda: flash_attn_with_int8_kvcache(  # noqa: E731
-                        q, pool, pool, k, v, lens, table)
+                        q, pool, pool, k, v, lens, table, backend=backend)
                 else:
                     dt = torch.float32 if name == "fp32" else torch.bfloat16
                     pool, qd, kd, vd = kv.to(dt), q.to(dt), k.to(dt), v.to(dt)
                     call = lambda: flash_attn_with_kvcache(  # noqa: E731
                         qd, pool, pool, kd, vd, cache_seqlens=lens, block_table=table,
-                        causal=True, backend="torch")
+                        causal=True, backend=backend)
                 call()
                 times = []
                 for _ in range(repeats):
@@ -157,6 +160,7 @@ def main(argv=None):
     p.add_argument("--contexts", type=cli.whole(16), nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--repeats", type=cli.whole(1), default=20)
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--skip-accuracy", action="store_true")
     p.add_argument("--threads", type=cli.whole(1), default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -182,6 +186,8 @@ def main(argv=None):
               "held-out perplexity fp32 / int8"):
         t.add_column(c, justify="right")
     for name, (model, tok) in loaded.items():
+        if args.skip_accuracy:
+            break
         prompts = chat_prompts(tok)
         want, same = greedy_agreement(model, prompts, args.new_tokens)
         errors, spreads, margins = logit_errors(model, prompts, want, same)
@@ -194,12 +200,15 @@ def main(argv=None):
                   f"{ppl[0]:.5f} / {ppl[1]:.5f}")
         console.print(f"[dim]{name}: max |logit error| per decode step: "
                       + " ".join(f"{e:.3f}" for e in errors[:16]) + " ...[/dim]")
-    console.print(t)
+    if not args.skip_accuracy:
+        console.print(t)
 
-    if not args.skip_speed:
-        speed = attention_speed(args.contexts, (1, 16), args.repeats)
-        t = Table(title="3. One layer's decode attention, stage 3's PyTorch path, microseconds "
-                        "(median), SmolLM2's heads: 9 query, 3 KV, head_dim 64")
+    for backend, path in (("torch", "stage 3's PyTorch path"), ("cpu", "stage 3b's C kernel")):
+        if args.skip_speed:
+            break
+        speed = attention_speed(args.contexts, (1, 16), args.repeats, backend)
+        t = Table(title=f"3. One layer's decode attention, {path}, microseconds (median), "
+                        f"SmolLM2's heads: 9 query, 3 KV, head_dim 64")
         for c in ("context", "batch", "fp32", "bf16", "int8", "int8 / fp32", "int8 / bf16"):
             t.add_column(c, justify="right")
         for ctx in args.contexts:
