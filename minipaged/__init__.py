@@ -9,6 +9,7 @@ Read the stages in order, each module beside its lesson (`lessons/`) and noteboo
     3b  online_softmax.py, triton_attention.py,    inside the kernel: the block walk, in PyTorch,
         cpu_attention.py (+ .c)                    in Triton, and in C for CPUs
     4   fragmentation.py, workloads.py, simulator.py   where the KV memory goes, measured
+    4b  kv_quant.py                                int8 blocks that carry their scales
     5   scheduler.py, swap.py, engine.py           continuous batching, preemption by recompute or swap
     5b  chunked_prefill.py, chunked_engine.py      a token budget per step, prompts in chunks
     6   prefix_cache.py, sharing.py, sharing_engine.py   reference counts, copy-on-write, prefix caching
@@ -22,7 +23,7 @@ Around them: `formats/` (checkpoints and tokenizers), `embedded/` (the shipped m
 trainer), `chat/` (`python -m minipaged.chat`), `viz/` (the drawings), `benchmarks/`, `fast/`
 (the speed layer). Support modules beside the stages, not needed on a first read: `checks.py`
 (values and requests), `cache_checks.py` (memory, pools, attention calls), `backends.py` (which
-attention implementation runs), `rope_scaling.py` (Llama 3.1's longer context), `sampling.py`
+attention implementation runs), `kv_formats.py` (what a pool's slots hold), `rope_scaling.py` (Llama 3.1's longer context), `sampling.py`
 (greedy and top-p), `sizing.py`, `cache_queries.py` (what drawings and later stages ask a
 cache). `exercises/` is the course's build-it-yourself tasks and grader (`python -m
 minipaged.exercises`).
@@ -39,6 +40,7 @@ if "torch" not in sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & se
     os.environ["GOMP_SPINCOUNT"] = "10000"
 
 from . import cpu_attention, triton_attention  # register backend="cpu" and "triton" (asked by name)
+from . import kv_quant  # registers kv_dtype="int8" (asked by name)
 from .api import Engine, beam_search, generate
 from .errors import (CheckpointError, MiniPagedError, NotEnoughMemoryError, OutOfBlocksError,
                      RequestError, TokenizerError, TraceError, UsageError)

@@ -31,7 +31,7 @@ __all__ = ["Engine", "PAGED_OPTIONS", "beam_search", "generate"]
 PAGED_OPTIONS = ("block_size", "num_blocks", "kv_budget", "preemption", "num_cpu_blocks",
                  "watermark", "backend", "max_num_seqs", "prefix_caching",
                  "max_num_batched_tokens", "speculative", "num_speculative_tokens",
-                 "draft_policy")
+                 "draft_policy", "kv_dtype")
 
 
 @torch.inference_mode()
@@ -51,9 +51,10 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
     is preempted), preemption ("recompute" or "swap"), num_cpu_blocks, watermark, backend,
     max_num_seqs, prefix_caching (False unless asked for), max_num_batched_tokens (None:
     whole prefills; N: no step runs more than N tokens, prompts are prefilled in chunks), and
-    speculative="ngram" with num_speculative_tokens=k (stage 7: up to k drafts a step) and
+    speculative="ngram" with num_speculative_tokens=k (stage 7: up to k drafts a step),
     draft_policy ("fixed", stage 7's default: every step drafts up to k; "adaptive": only
-    drafts expected to pay, the speed layer's default). A pool
+    drafts expected to pay, the speed layer's default) and kv_dtype (None: the model's dtype;
+    "int8": int8 blocks with their scales, stage 4b). A pool
     too small for all the prompts at once makes the engine admit and preempt rather than fail.
 
     n=K returns K samples per prompt, each entry a list of K token lists (n=1 keeps the flat

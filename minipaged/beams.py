@@ -41,7 +41,7 @@ from .sizing import pool_blocks
 from .kv_cache import ContiguousCache
 from .sharing import SharedPagedCache
 
-PAGED_OPTIONS = ("num_blocks", "kv_budget", "seed", "backend")
+PAGED_OPTIONS = ("num_blocks", "kv_budget", "seed", "backend", "kv_dtype")
 
 
 @dataclass
@@ -138,11 +138,13 @@ class BeamSearch:
         if self.paged:                                  # default: room for every beam unshared
             num_blocks = pool_blocks(model.args, p.dtype, block_size,
                                      cache_options.get("num_blocks"),
-                                     cache_options.get("kv_budget"), [longest] * beam_width)
+                                     cache_options.get("kv_budget"), [longest] * beam_width,
+                                     cache_options.get("kv_dtype"))
             self.cache = SharedPagedCache(model.args, num_blocks, block_size, beam_width,
                                           longest, device=p.device, dtype=p.dtype,
                                           seed=cache_options.get("seed", 0),
-                                          backend=cache_options.get("backend", "auto"))
+                                          backend=cache_options.get("backend", "auto"),
+                                          kv_dtype=cache_options.get("kv_dtype"))
         else:
             self.cache = ContiguousCache(model.args, beam_width, longest, device=p.device,
                                          dtype=p.dtype)

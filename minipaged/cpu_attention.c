@@ -13,12 +13,14 @@
    length and unrolls and vectorizes the products over the head dim.
 
      KV_BF16      keys and values are bfloat16 (else float32); q and the output are float32
+     KV_INT8      keys and values are stage 4b's int8 slots: HEAD_DIM codes, then the row's
+                  float16 scale in the next 2 bytes; a dot product and a value are scaled once
      HEAD_DIM     D, the head dim
      GROUP        query heads per KV head (grouped-query attention)
 
    Shapes (all C-contiguous):
      q            (B, Hk * GROUP, D) float32: the step's one query per row
-     k_cache      (num_blocks, block_size, Hk, D), v_cache likewise
+     k_cache      (num_blocks, block_size, Hk, D), v_cache likewise ((..., Hk, D + 2) for KV_INT8)
      block_table  (B, table_width) int64: row b's key j is in block block_table[b][j / block_size]
      seqlens      (B,) int64: keys per row, the new one included
      out          (B, Hk * GROUP, D) float32
@@ -35,9 +37,29 @@ static inline float load(kv_t x) {   /* a bfloat16 is the top half of a float32 
     union { uint32_t bits; float value; } f = { (uint32_t)x << 16 };
     return f.value;
 }
+#elif defined(KV_INT8)
+typedef int8_t kv_t;
+static inline float load(kv_t x) { return (float)x; }
 #else
 typedef float kv_t;
 static inline float load(kv_t x) { return x; }
+#endif
+
+#ifdef KV_INT8
+#define ROW (HEAD_DIM + 2)     /* elements of one (slot, KV head): the codes, then the scale */
+/* The float16 scale stored in the 2 bytes after a row's codes (little-endian). */
+static inline float row_scale(const kv_t *row) {
+    const uint16_t h = (uint16_t)((uint8_t)row[HEAD_DIM] | ((uint8_t)row[HEAD_DIM + 1] << 8));
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    union { uint32_t bits; float value; } f;
+    if (exp == 0)                                    /* zero or subnormal: man * 2^-24 */
+        return (sign ? -1.0f : 1.0f) * (float)man * 5.9604645e-8f;
+    f.bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    return f.value;
+}
+#else
+#define ROW HEAD_DIM
+static inline float row_scale(const kv_t *row) { (void)row; return 1.0f; }
 #endif
 
 #define TILE 32   /* keys scored at a time: a block's keys, or a slice of a longer block */
@@ -53,9 +75,9 @@ static inline int keys_in_block(int64_t n, int64_t start, int block_size) {
    over pools not already in the CPU's caches, the walk waits on memory more than it computes. */
 static inline void prefetch_block(const kv_t *k_cache, const kv_t *v_cache, int64_t block,
                                   int block_size, int64_t key_stride, int kv_head, int count) {
-    const int64_t first = block * block_size * key_stride + kv_head * HEAD_DIM;
+    const int64_t first = block * block_size * key_stride + kv_head * ROW;
     for (int t = 0; t < count; t++)
-        for (int byte = 0; byte < HEAD_DIM * (int)sizeof(kv_t); byte += 64) {  /* cache lines */
+        for (int byte = 0; byte < ROW * (int)sizeof(kv_t); byte += 64) {       /* cache lines */
             __builtin_prefetch((const char *)(k_cache + first + t * key_stride) + byte);
             __builtin_prefetch((const char *)(v_cache + first + t * key_stride) + byte);
         }
@@ -66,7 +88,7 @@ void paged_attention_decode(const float *q, const kv_t *k_cache, const kv_t *v_c
                             const int64_t *seqlens, int B, int Hk, int block_size,
                             float scale, float *out, int threads) {
     const int D = HEAD_DIM, G = GROUP;
-    const int64_t key_stride = (int64_t)Hk * D;          /* from one slot to the next */
+    const int64_t key_stride = (int64_t)Hk * ROW;        /* from one slot to the next */
     /* dynamic: a thread takes the next (row, KV head) when it is done with one, so rows of
        different lengths, or a thread that another process holds up, leave no one idle */
     #pragma omp parallel for num_threads(threads) schedule(dynamic)
@@ -84,8 +106,8 @@ void paged_attention_decode(const float *q, const kv_t *k_cache, const kv_t *v_c
                            keys_in_block(n, 0, block_size));
         for (int64_t start = 0; start < n; start += block_size) {    /* block after block */
             const int64_t block = table[start / block_size];
-            const kv_t *keys = k_cache + block * block_size * key_stride + kv_head * D;
-            const kv_t *values = v_cache + block * block_size * key_stride + kv_head * D;
+            const kv_t *keys = k_cache + block * block_size * key_stride + kv_head * ROW;
+            const kv_t *values = v_cache + block * block_size * key_stride + kv_head * ROW;
             const int in_block = keys_in_block(n, start, block_size);
             if (start + block_size < n)              /* the next block's, while this one runs */
                 prefetch_block(k_cache, v_cache, table[start / block_size + 1], block_size,
@@ -101,7 +123,8 @@ void paged_attention_decode(const float *q, const kv_t *k_cache, const kv_t *v_c
                         const float key = load(k[d]);
                         for (int h = 0; h < G; h++) dot[h] += qs[h * D + d] * key;
                     }
-                    for (int h = 0; h < G; h++) p[h][t] = dot[h] * scale;
+                    const float k_scale = row_scale(k) * scale;    /* 1 unless KV_INT8 */
+                    for (int h = 0; h < G; h++) p[h][t] = dot[h] * k_scale;
                 }
                 /* online softmax: a new max rescales what was summed so far */
                 for (int h = 0; h < G; h++) {
@@ -119,9 +142,11 @@ void paged_attention_decode(const float *q, const kv_t *k_cache, const kv_t *v_c
                 /* values, weighted: each value read once for the group */
                 for (int t = 0; t < count; t++) {
                     const kv_t *v = values + (t0 + t) * key_stride;
+                    float w[GROUP];                          /* weights, times the row's scale */
+                    for (int h = 0; h < G; h++) w[h] = p[h][t] * row_scale(v);
                     for (int d = 0; d < D; d++) {
                         const float value = load(v[d]);
-                        for (int h = 0; h < G; h++) o[h][d] += p[h][t] * value;
+                        for (int h = 0; h < G; h++) o[h][d] += w[h] * value;
                     }
                 }
             }

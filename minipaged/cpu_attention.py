@@ -36,7 +36,8 @@ import torch
 from .paged_attention import BACKENDS, register_backend
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-KV_TYPES = {torch.float32: [], torch.bfloat16: ["-DKV_BF16"]}   # the kernel's KV dtypes
+KV_TYPES = {torch.float32: [], torch.bfloat16: ["-DKV_BF16"],   # the kernel's KV dtypes
+            torch.int8: ["-DKV_INT8"]}                           # (int8: stage 4b's slots)
 
 
 def target_flags(machine: str = platform.machine()) -> list[str]:

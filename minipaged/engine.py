@@ -32,6 +32,7 @@ from .checks import check_request, check_flag, check_stop_tokens, check_whole
 from .errors import RequestError, UsageError
 from .generation import sample
 from .kv_budget import bytes_per_block
+from .kv_formats import check_kv_dtype, stored_layout
 from .paged_cache import PagedCache
 from .scheduler import Request, Scheduler
 from .simulator import WATERMARK
@@ -110,7 +111,7 @@ class Engine:
                  max_num_seqs: int = 256, max_seq_len: int | None = None,
                  num_cpu_blocks: int | None = None, watermark: float = WATERMARK,
                  static_batches: bool = False, seed: int = 0, backend: str = "auto",
-                 record: bool = False):
+                 record: bool = False, kv_dtype: str | None = None):
         self.model = model
         a, p = model.args, next(model.parameters())
         if num_blocks is None and kv_budget is None:
@@ -118,17 +119,20 @@ class Engine:
         check_pool_options(num_blocks, kv_budget, watermark, seed, backend)
         check_flag("static_batches", static_batches)
         check_flag("record", record)
-        num_blocks = pool_blocks(a, p.dtype, block_size, num_blocks, kv_budget)
+        check_kv_dtype(kv_dtype, backend)
+        num_blocks = pool_blocks(a, p.dtype, block_size, num_blocks, kv_budget, kv_dtype=kv_dtype)
         if num_cpu_blocks is None:     # swap space as large as the pool (vLLM sizes it in GiB)
             num_cpu_blocks = num_blocks if preemption == "swap" else 0
         self.max_seq_len = max_seq_len or a.max_seq_len
         self.cache = self.new_cache(a, num_blocks, block_size, max_num_seqs, self.max_seq_len,
-                                    device=p.device, dtype=p.dtype, seed=seed, backend=backend)
+                                    device=p.device, dtype=p.dtype, seed=seed, backend=backend,
+                                    kv_dtype=kv_dtype)
         self.swap = SwapSpace(self.cache, num_cpu_blocks) if num_cpu_blocks else None
         self.scheduler = self.new_scheduler(self.cache, preemption, watermark, max_num_seqs,
                                             static_batches, self.swap)
         self.device = p.device
-        self.block_bytes = bytes_per_block(block_size, a.n_kv_heads, a.head_dim, p.dtype,
+        self.block_bytes = bytes_per_block(block_size, a.n_kv_heads,
+                                           *stored_layout(a.head_dim, p.dtype, kv_dtype),
                                            a.n_layers)
         self.requests: list[Request] = []          # every request, in the order added
         self.next_req_id = 0                       # (a server `release`s answered ones)

@@ -15,26 +15,31 @@ from .cache_checks import check_pool, check_step_ids, check_step_room
 from .checks import check_count, check_sizes
 from .generation import generate_static
 from .kv_cache import kv_bytes_per_token
+from .kv_formats import KV_FORMATS, check_kv_dtype, stored_layout
 from .paged_attention import flash_attn_with_kvcache
 from .sizing import static_pool_blocks
 
 
 class PagedCache(PagedCacheQueries):
     """One CacheManager per layer, driven in step: every layer holds the same tokens, in blocks
-    of its own pool drawn from its own random free set (layer i with seed `seed + i`)."""
+    of its own pool drawn from its own random free set (layer i with seed `seed + i`). A
+    `kv_dtype` other than None (stage 4b's "int8") stores the blocks in that format."""
 
     STEP = ("cache_seqlens", "positions", "block_tables")   # what `attend` reads, set by prepare
 
     def __init__(self, args, num_blocks: int, block_size: int, max_seqs: int, max_seq_len: int,
-                 device="cpu", dtype=torch.float32, seed: int = 0, backend: str = "auto"):
+                 device="cpu", dtype=torch.float32, seed: int = 0, backend: str = "auto",
+                 kv_dtype: str | None = None):
         self.args, self.dtype, self.backend = args, dtype, backend
+        self.kv_dtype = check_kv_dtype(kv_dtype, backend)
         self.num_blocks, self.block_size, self.max_seq_len = num_blocks, block_size, max_seq_len
         check_sizes(num_blocks=num_blocks, block_size=block_size, max_seq_len=max_seq_len)
         max_blocks = min(num_blocks, -(-max_seq_len // block_size))   # no table outgrows the pool
-        check_pool(num_blocks, block_size, args.n_kv_heads, args.head_dim, max_seqs, max_blocks,
-                   device, dtype, kv_bytes_per_token, args.n_layers)  # all layers, before any
-        self.managers = [self.new_manager(num_blocks, block_size, args.n_kv_heads, args.head_dim,
-                                          max_seqs, max_blocks, device=device, dtype=dtype,
+        slot, store = stored_layout(args.head_dim, dtype, kv_dtype)   # what a slot stores
+        check_pool(num_blocks, block_size, args.n_kv_heads, slot, max_seqs, max_blocks,
+                   device, store, kv_bytes_per_token, args.n_layers)  # all layers, before any
+        self.managers = [self.new_manager(num_blocks, block_size, args.n_kv_heads, slot,
+                                          max_seqs, max_blocks, device=device, dtype=store,
                                           seed=seed + layer) for layer in range(args.n_layers)]
         self.cache_seqlens = None         # (B,) int32, tokens stored before this step
         self.positions = None             # (B, T), the positions of this step's new tokens
@@ -72,6 +77,10 @@ class PagedCache(PagedCacheQueries):
     def attend(self, layer: int, q, k, v):
         """Store the step's k/v (B, T, Hk, D) in the layer's blocks, attend q (B, T, Hq, D)."""
         m = self.managers[layer]
+        if self.kv_dtype is not None:        # e.g. stage 4b's int8: quantize in, dequantize out
+            return KV_FORMATS[self.kv_dtype].attend(q, m.k_cache_paged, m.v_cache_paged, k, v,
+                                                    self.cache_seqlens, self.block_tables[layer],
+                                                    backend=self.backend)
         return flash_attn_with_kvcache(q, m.k_cache_paged, m.v_cache_paged, k, v,
                                        cache_seqlens=self.cache_seqlens,
                                        block_table=self.block_tables[layer], causal=True,

@@ -12,17 +12,20 @@ from .cache_manager import CacheManager
 from .checks import check_request
 from .errors import OutOfBlocksError, RequestError
 from .kv_budget import num_blocks_for_budget
+from .kv_formats import stored_layout
 
 
 def pool_blocks(args, dtype, block_size: int, num_blocks: int | None = None,
-                kv_budget: int | None = None, lengths=()) -> int:
+                kv_budget: int | None = None, lengths=(), kv_dtype: str | None = None) -> int:
     """Blocks per layer for a model (`ModelArgs`): `num_blocks` if given, else as many as
-    `kv_budget` bytes hold, else exactly enough for sequences of `lengths` tokens all at once."""
+    `kv_budget` bytes hold (in slots of `kv_dtype`: int8 codes and scales, stage 4b), else exactly
+    enough for sequences of `lengths` tokens all at once."""
     if not isinstance(block_size, int) or block_size < 1:
         raise RequestError(f"block_size must be a positive integer, not {block_size!r}")
     if num_blocks is None and kv_budget is not None:
-        num_blocks = num_blocks_for_budget(kv_budget, block_size, args.n_kv_heads, args.head_dim,
-                                           dtype, args.n_layers)
+        slot, store = stored_layout(args.head_dim, dtype, kv_dtype)
+        num_blocks = num_blocks_for_budget(kv_budget, block_size, args.n_kv_heads, slot, store,
+                                           args.n_layers)
     if num_blocks is None:
         num_blocks = sum(-(-n // block_size) for n in lengths)
     if not isinstance(num_blocks, int) or num_blocks < 1:

@@ -31,7 +31,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "minipaged"
 SUPPORT = {"checks", "cache_checks", "backends", "sizing", "cache_queries", "rope_scaling",
-           "sampling"}
+           "sampling", "kv_formats"}
 NOT_STAGES = {"__init__", "api", "errors", "cli"} | SUPPORT
 STAGE = re.compile(r"Stage (\d+)(b?):")
 

@@ -19,7 +19,24 @@ import matplotlib.pyplot as plt
 from rich.console import Console
 
 from .. import cli, simulator, viz, workloads
+from ..kv_cache import kv_bytes_per_token
+from ..kv_formats import stored_layout
+from ..simulator import Policy
 from ..formats.atomic import write_file
+
+
+def int8_line(wl, results, args) -> str:
+    """The same KV memory in stage 4b's int8 blocks (Llama 3 8B's KV shape): its token slots,
+    and the requests paged blocks of 16 then run at once, beside the model's-dtype figure."""
+    int8_bytes = kv_bytes_per_token(8, *stored_layout(128, None, "int8"), n_layers=32)
+    slots = args.kv_budget_tokens * args.bytes_per_token // int8_bytes
+    paged = Policy("paged", 16)
+    before = next(r for r in results if r.policy == paged)
+    after = simulator.simulate(wl, paged, slots, args.max_seq_len, int8_bytes)
+    return (f"The same memory in int8 blocks (stage 4b; Llama 3 8B's shape, {int8_bytes:,} bytes "
+            f"a token): {slots:,} token slots, {slots / args.kv_budget_tokens:.2f}x; paged blocks "
+            f"of 16 then run {after.mean_running():.1f} requests at once instead of "
+            f"{before.mean_running():.1f} (python -m minipaged.benchmarks.kv_int8: accuracy).")
 
 
 @cli.program
@@ -52,6 +69,7 @@ def main(argv=None) -> int:
     results = simulator.compare(wl, args.kv_budget_tokens, args.max_seq_len,
                                 bytes_per_slot=args.bytes_per_token)
     console.print(viz.rich_policy_table(results, wl, args.kv_budget_tokens, args.bytes_per_token))
+    console.print(int8_line(wl, results, args))
     if not args.no_plots:
         matplotlib.use("Agg")
         out = cli.drawing_folder(out, "policies")

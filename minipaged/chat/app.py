@@ -32,10 +32,11 @@ from rich.markup import escape
 from rich.panel import Panel
 
 from .. import cli
-from ..errors import MiniPagedError, OutOfBlocksError
+from ..errors import MiniPagedError, OutOfBlocksError, UsageError
 from ..formats import check_pair, load_model, load_tokenizer
 from ..fragmentation import measure_contiguous, measure_paged
 from ..kv_budget import bytes_per_block
+from ..kv_formats import stored_layout
 from ..sizing import pool_blocks
 from ..kv_cache import ContiguousCache
 from ..sharing import SharedPagedCache
@@ -50,24 +51,29 @@ CHAT_CONTEXT = 4096   # tokens a conversation may hold (Llama 3.1 allows 131,072
                       # conversation of an 8B model's fp16 KV, more than a laptop has)
 
 
-def make_chat_cache(model, kind="paged", block_size=16, kv_budget=None, max_seqs=1):
+def make_chat_cache(model, kind="paged", block_size=16, kv_budget=None, max_seqs=1,
+                    kv_dtype=None):
     """The cache the chat's conversations live in, each up to CHAT_CONTEXT tokens (or the
     model's context, if shorter). Paged: as many blocks as one full context needs per
     conversation, or fewer if `kv_budget` bytes hold fewer (a larger budget is not used: the
     conversations could never fill it), with prefix caching on — a conversation started after
-    /reset finds the blocks of the prompt it shares with the last one."""
+    /reset finds the blocks of the prompt it shares with the last one. `kv_dtype="int8"`: the
+    blocks hold int8 codes and their scales (stage 4b)."""
     a, p = model.args, next(model.parameters())
     context = min(a.max_seq_len, CHAT_CONTEXT)
     if kind == "contiguous":
+        if kv_dtype is not None:
+            raise UsageError(f"--kv-dtype {kv_dtype} stores paged blocks; the contiguous cache "
+                             f"keeps the model's dtype: drop one of the two")
         return ContiguousCache(a, max_seqs, context, device=p.device, dtype=p.dtype)
     if kv_budget is not None:      # past what the conversations can fill, a budget is not used
         full = pool_blocks(a, p.dtype, block_size, lengths=[context] * max_seqs)
-        kv_budget = min(kv_budget, full * bytes_per_block(block_size, a.n_kv_heads, a.head_dim,
-                                                          p.dtype, a.n_layers))
+        kv_budget = min(kv_budget, full * bytes_per_block(
+            block_size, a.n_kv_heads, *stored_layout(a.head_dim, p.dtype, kv_dtype), a.n_layers))
     num_blocks = pool_blocks(a, p.dtype, block_size, kv_budget=kv_budget,
-                             lengths=[context] * max_seqs)
+                             lengths=[context] * max_seqs, kv_dtype=kv_dtype)
     return SharedPagedCache(a, num_blocks, block_size, max_seqs, context, device=p.device,
-                            dtype=p.dtype, prefix_caching=True)
+                            dtype=p.dtype, prefix_caching=True, kv_dtype=kv_dtype)
 
 
 def load(args):
@@ -76,7 +82,8 @@ def load(args):
     model = load_model(path, dtype=getattr(torch, args.dtype))
     tokenizer = load_tokenizer(path)
     check_pair(model, tokenizer)
-    cache = make_chat_cache(model, args.cache, args.block_size, args.kv_budget)
+    cache = make_chat_cache(model, args.cache, args.block_size, args.kv_budget,
+                            kv_dtype=args.kv_dtype)
     return Conversation(model, tokenizer, cache, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                         system=args.system)

@@ -47,9 +47,10 @@ def run_demo(args, console) -> int:
     num_blocks = n * -(-per_conv // args.block_size)
     if args.kv_budget is not None:
         num_blocks = min(num_blocks, pool_blocks(model.args, next(model.parameters()).dtype,
-                                                 args.block_size, kv_budget=args.kv_budget))
+                                                 args.block_size, kv_budget=args.kv_budget,
+                                                 kv_dtype=args.kv_dtype))
     engine = Engine(model, num_blocks, args.block_size, max_num_seqs=n, seed=args.seed,
-                    prefix_caching=True)
+                    prefix_caching=True, kv_dtype=args.kv_dtype)
 
     history = {c: list(prefix) for c in range(n)}           # conversation -> tokens so far
     asked = {c: 0 for c in range(n)}                        # questions sent so far

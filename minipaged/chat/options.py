@@ -29,6 +29,8 @@ def build_parser():
     p.add_argument("--top-p", type=cli.number(above=0, at_most=1), default=0.9)
     p.add_argument("--seed", type=cli.seed, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--kv-dtype", choices=["int8"], help="store the paged KV blocks as int8 "
+                   "codes with their scales (stage 4b; default: the model's dtype)")
     return p
 
 

@@ -267,7 +267,9 @@ class FastSteps:
         self._implementation = None
 
     def attend(self, layer: int, q, k, v):
-        """Stage 3's attend, on the step `set_step` planned."""
+        """Stage 3's attend, on the step `set_step` planned (int8 blocks: stage 4b's own)."""
+        if self.kv_dtype is not None:
+            return PagedCache.attend(self, layer, q, k, v)
         m = self.managers[layer]
         return attend_step(q, k, v, m.k_cache_paged, m.v_cache_paged, self.plan, layer,
                            self.implementation(q, layer))

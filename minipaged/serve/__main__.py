@@ -42,6 +42,8 @@ def build_parser():
     p.add_argument("--max-body-bytes", type=cli.size, default=None,
                    help="a request body past this size is refused with 413 (default: 1MiB)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--kv-dtype", choices=["int8"], help="store the KV blocks as int8 codes with "
+                   "their scales (stage 4b; default: the model's dtype)")
     p.add_argument("--drain-seconds", type=cli.number(at_least=0), default=5.0,
                    help="after Ctrl-C or SIGTERM, how long answers in flight may finish "
                    "before they are aborted")
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
     loop, app, _, _ = build(args.model, getattr(torch, args.dtype), args.block_size,
                             args.num_blocks, args.kv_budget, args.preemption, args.max_num_seqs,
                             args.max_num_batched_tokens, not args.no_prefix_caching,
-                            args.max_model_len, args.max_waiting,
+                            args.max_model_len, args.max_waiting, kv_dtype=args.kv_dtype,
                             max_body_bytes=args.max_body_bytes or MAX_BODY_BYTES)
     e = loop.engine
     print(f"minipaged serving {args.model or 'embedded'}: {e.cache.num_blocks} blocks of "

@@ -26,9 +26,11 @@ HEADER_TIMEOUT = 10.0       # seconds a new connection has to send its first req
 def build(model=None, dtype=torch.float32, block_size: int = 16, num_blocks=None,
           kv_budget=None, preemption: str = "recompute", max_num_seqs: int = 64,
           max_num_batched_tokens=None, prefix_caching: bool = True, max_model_len=None,
-          max_waiting: int = 64, record: bool = False, max_body_bytes: int = MAX_BODY_BYTES):
+          max_waiting: int = 64, record: bool = False, kv_dtype=None,
+          max_body_bytes: int = MAX_BODY_BYTES):
     """The model, its engine in a loop, and the app; `model` as the chat's --model.
-    `record=True` keeps the engine's `history` of steps, for the drawings of `minipaged.viz`."""
+    `record=True` keeps the engine's `history` of steps, for the drawings of `minipaged.viz`;
+    `kv_dtype="int8"` stores the KV blocks as int8 codes with their scales (stage 4b)."""
     path = model_path(model) if model else None
     llama = load_model(path, dtype=dtype)
     tokenizer = load_tokenizer(path)
@@ -38,7 +40,7 @@ def build(model=None, dtype=torch.float32, block_size: int = 16, num_blocks=None
     engine = Engine(llama, num_blocks, block_size, preemption, kv_budget=kv_budget,
                     max_num_seqs=max_num_seqs, max_seq_len=context,
                     prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
-                    record=record)
+                    record=record, kv_dtype=kv_dtype)
     loop = EngineLoop(engine, max_waiting=max_waiting)
     name = model or "embedded"
     return loop, create_app(loop, tokenizer, name, max_body_bytes), tokenizer, llama

@@ -24,6 +24,11 @@ layout and vLLM's), `plot_tiles_over_blocks` (the kernel's tiles over blocks of 
 Stage 4 (fragmentation): stacked bars of where KV memory goes per policy, block-size sweeps,
 concurrency under a budget, slot maps, and the policy table in rich.
 
+Stage 4b (int8 blocks): `plot_int8_block` (one block's codes and scales beside the floats
+written), `plot_capacity` (tokens a budget holds per format), `quantization_error` and
+`plot_error_by_layer_and_position`, `plot_key_channels` (the keys' outlier channels);
+`stored_kv` reads what a cache holds.
+
 Stage 5 (scheduling): `plot_timeline` (a Gantt chart of requests: waiting, running, preempted,
 swapped), `plot_pool_over_time` (blocks per request, stacked, preemptions marked), both from an
 `Engine(record=True).history`; `plot_preemption_costs` (recompute vs swap); `plot_bench` and
@@ -59,6 +64,8 @@ from .kernel_walk import (key_layout_order, plot_key_layouts, plot_partitions,
 from .waste_plots import (KIND_COLORS, plot_block_size_sweep, plot_concurrency,
                             plot_slot_map, plot_waste_bars, plot_waste_over_time, plot_workload,
                             rich_policy_table)
+from .int8_blocks import (FORMAT_COLORS, plot_capacity, plot_error_by_layer_and_position,
+                          plot_int8_block, plot_key_channels, quantization_error, stored_kv)
 from .timeline import (BENCH_COLORS, STATE_COLORS, _runs, plot_bench, plot_pool_over_time,
                          plot_preemption_costs, plot_throughput_vs_budget, plot_timeline)
 from .token_budget import (CHUNK_HATCH, plot_token_budget, plot_token_latency, step_tokens,
