@@ -18,6 +18,7 @@ and parsed and tokenized in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 
@@ -32,7 +33,8 @@ from ..formats import chat_format
 from .live_page import LIVE_PAGE
 from .loop import EngineLoop, QueueFullError, pool_state
 from .metrics import prometheus_text
-from .protocol import (APIError, Answer, get_model, parse_json, sampling, sse, usage)
+from .protocol import (APIError, Answer, check_fields, get_bool, get_model, parse_json,
+                       sampling, sse, usage)
 
 CHAT_DEFAULT_MAX_TOKENS = 256     # a chat reply's length when the request names none
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
@@ -49,9 +51,12 @@ class Choice:
         self.decoder, self.stops = tokenizer.stream_decoder(), stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.text, self.sent, self.finish = "", 0, None
+        self.tokens, self.logprobs = [], []      # every token, and its logprobs if asked
 
-    def push(self, tokens, reason) -> bool:
+    def push(self, tokens, reason, logprobs=None) -> bool:
         """Add new tokens (and the end, if `reason`). True if a stop string ended it here."""
+        self.tokens += tokens
+        self.logprobs += logprobs or []
         for t in tokens:
             self.text += self.decoder.push(t)
         if reason:
@@ -76,6 +81,12 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str,
     engine = loop.engine
     fmt = chat_format(tokenizer)
     max_n = engine.scheduler.max_num_seqs
+
+    @functools.lru_cache(maxsize=65536)
+    def piece(token: int):
+        """A token's text and bytes (the bytes may be part of a UTF-8 character)."""
+        raw = tokenizer.decode_bytes([token])
+        return raw.decode("utf-8", errors="replace"), raw
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -120,8 +131,14 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str,
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_json(request)
+        check_fields(body, chat=False)
         get_model(body, model_name)
-        opts = sampling(body, COMPLETION_DEFAULT_MAX_TOKENS, max_n)
+        opts = sampling(body, COMPLETION_DEFAULT_MAX_TOKENS, max_n, chat=False)
+        echo = get_bool(body, "echo")
+        if echo and opts["logprobs"] is not None:
+            raise APIError("echo with logprobs would need the prompt's logprobs, which this "
+                           "server does not compute; ask for echo or for logprobs",
+                           param="echo", code="unsupported_parameter")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]                          # a batch of one
@@ -136,14 +153,19 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str,
                            code="invalid_value")
         else:
             raise APIError("prompt must be a non-empty string or a non-empty list of token ids "
-                           "(one prompt per request)", param="prompt", code="invalid_type")
-        return await answer(request, Answer(False, model_name), ids, opts)
+                           "(one prompt per request: send several as several requests)",
+                           param="prompt", code="invalid_type")
+        if echo:
+            opts["echo"] = prompt if isinstance(prompt, str) else \
+                await asyncio.to_thread(tokenizer.decode, ids)
+        return await answer(request, Answer(False, model_name, piece), ids, opts)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_json(request)
+        check_fields(body, chat=True)
         get_model(body, model_name)
-        opts = sampling(body, CHAT_DEFAULT_MAX_TOKENS, max_n)
+        opts = sampling(body, CHAT_DEFAULT_MAX_TOKENS, max_n, chat=True)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise APIError("messages must be a non-empty list of {role, content} objects",
@@ -155,7 +177,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str,
             raise APIError(str(e), param="messages", code="invalid_value") from None
         if "max_tokens" not in body and "max_completion_tokens" not in body:
             opts["max_tokens"] = max(1, min(opts["max_tokens"], engine.max_seq_len - len(ids)))
-        return await answer(request, Answer(True, model_name), ids, opts)
+        return await answer(request, Answer(True, model_name, piece), ids, opts)
 
     async def answer(request, ans: Answer, ids, opts):
         """Hand the request to the engine loop; stream its tokens or gather them."""
@@ -163,7 +185,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str,
         try:
             ticket = await asyncio.wrap_future(loop.submit(
                 ids, opts["max_tokens"], opts["temperature"], opts["top_p"], opts["n"],
-                opts["seed"], stop_tokens))
+                opts["seed"], stop_tokens, opts["logprobs"]))
         except QueueFullError as e:
             raise APIError(str(e), code="queue_full", status=503, kind="server_overloaded") \
                 from None
@@ -171,8 +193,10 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str,
             raise APIError(str(e), param=_param_of(str(e)), code="invalid_value") from None
         watcher = asyncio.create_task(hang_up(request, ticket))
         choices = [Choice(tokenizer, opts["stop"]) for _ in range(opts["n"])]
+        echo = opts.get("echo", "")
         if opts["stream"]:
-            return StreamingResponse(stream(ans, ticket, choices, opts["include_usage"], watcher),
+            return StreamingResponse(stream(ans, ticket, choices, opts["include_usage"], watcher,
+                                            echo),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
@@ -184,9 +208,12 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str,
                 loop.abort(ticket)
         if ticket.error:
             raise APIError(ticket.error, status=500, kind="server_error", code="engine_error")
-        texts = [c.text for c in choices]
+        texts = [echo + c.text for c in choices]
+        logprobs = None if opts["logprobs"] is None else \
+            [ans.logprobs(c.tokens, c.logprobs) for c in choices]
         return ans.whole(texts, [c.finish for c in choices],
-                         usage(ticket.prompt_tokens, sum(len(r.output) for r in ticket.samples)))
+                         usage(ticket.prompt_tokens, sum(len(r.output) for r in ticket.samples)),
+                         logprobs)
 
     async def hang_up(request, ticket):
         """Abort `ticket` once its client hangs up, whatever its request is doing by then (the
@@ -196,25 +223,30 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str,
         loop.abort(ticket)
 
     async def tokens(ticket, choices):
-        """Each sample's new text as the loop posts its tokens: (index, text) until all end."""
+        """Each sample's new text as the loop posts its tokens: (index, text, the new tokens,
+        their logprobs or None) until all end."""
         while not all(c.finish for c in choices):
-            i, new, reason = await ticket.queue.get()
+            i, new, reason, logprobs = await ticket.queue.get()
             c = choices[i]
             if c.finish:
                 continue                              # ended by a stop string already
-            if c.push(new, reason) and not reason:
+            if c.push(new, reason, logprobs) and not reason:
                 loop.abort(ticket, i)                 # a stop string: no more tokens for it
-            yield i, c.take()
+            yield i, c.take(), new, logprobs
 
-    async def stream(ans: Answer, ticket, choices, include_usage, watcher):
+    async def stream(ans: Answer, ticket, choices, include_usage, watcher, echo=""):
         finished = [False] * len(choices)
+        offset = [len(echo)] * len(choices)           # where the next token's text starts
         try:
-            if ans.chat:
-                for i in range(len(choices)):
+            for i in range(len(choices)):
+                if ans.chat:
                     yield sse(ans.chunk(i, None, role=True))
-            async for i, text in tokens(ticket, choices):
-                if text:
-                    yield sse(ans.chunk(i, text))
+                elif echo:
+                    yield sse(ans.chunk(i, echo))
+            async for i, text, new, logprobs in tokens(ticket, choices):
+                if text or logprobs:
+                    yield sse(ans.chunk(i, text, logprobs=ans.logprobs(new, logprobs, offset[i])))
+                    offset[i] += sum(len(piece(t)[0]) for t in new)
                 if choices[i].finish and not finished[i]:
                     finished[i] = True
                     yield sse(APIError(ticket.error, status=500, kind="server_error",
