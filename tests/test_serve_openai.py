@@ -1,8 +1,10 @@
 """The server as OpenAI's clients use it (issue 48): logprobs (completions' `logprobs: k`, chat's
 `logprobs` + `top_logprobs`) equal to the no-cache forward's log-softmax, streamed and whole;
-`echo`; every field the server does not honour refused with a 400 naming it."""
+`echo`; every field the server does not honour refused with a 400 naming it; /tokenize, /detokenize,
+/version and /health in vLLM's shapes."""
 
 import json
+from importlib.metadata import version
 
 import httpx
 import openai
@@ -11,6 +13,7 @@ import torch
 
 from conftest import tiny_model
 from minipaged import Engine
+from minipaged.formats import chat_format
 from minipaged.generation import row_generator
 from minipaged.serve.server import start
 
@@ -156,3 +159,48 @@ def test_defaults_of_fields_not_honoured_pass(server):
     assert post(server, body).status_code == 200
     with pytest.raises(openai.BadRequestError, match="echo"):
         client(server).completions.create(model="embedded", prompt="x", echo=True, logprobs=1)
+
+
+def test_a_prompt_of_several_strings_is_refused(server):
+    r = post(server, {"model": "embedded", "prompt": ["one", "two"], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "several requests" in r.json()["error"]["message"]
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(server):
+    tok = server.tokenizer
+    r = post(server, {"model": "embedded", "prompt": "Blocks of sixteen"}, "/tokenize").json()
+    assert r == {"count": len(tok.encode("Blocks of sixteen", bos=True)),
+                 "max_model_len": server.engine.max_seq_len,
+                 "tokens": tok.encode("Blocks of sixteen", bos=True), "token_strs": None}
+    r = post(server, {"prompt": "Blocks of sixteen", "add_special_tokens": False,
+                      "return_token_strs": True}, "/tokenize").json()
+    assert r["tokens"] == tok.encode("Blocks of sixteen")
+    assert "".join(r["token_strs"]) == "Blocks of sixteen"
+    msg = [{"role": "user", "content": "hi"}]
+    r = post(server, {"messages": msg}, "/tokenize").json()
+    assert r["tokens"] == chat_format(tok).encode_dialog_prompt(msg)
+    back = post(server, {"tokens": tok.encode("Blocks of sixteen")}, "/detokenize")
+    assert back.json() == {"prompt": "Blocks of sixteen"}
+    for path, body, param in [("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens"),
+                              ("/tokenize", {"prompt": ["a", "b"]}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "model": "gpt-4"}, "model"),
+                              ("/tokenize", {"prompt": "a", "truncate": 3}, "truncate")]:
+        r = post(server, body, path)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_version_and_health_while_the_loop_runs_and_once_it_died(server):
+    """Last in this file: it kills the module's engine loop (a failure outside a step)."""
+    assert httpx.get(server.url + "/version").json() == {"version": version("minipaged")}
+    assert httpx.get(server.url + "/health").status_code == 200
+
+    def broken():
+        raise RuntimeError("a bug outside the engine step")
+    server.loop._deliver = broken
+    server.loop.ask(lambda: None)
+    server.loop.thread.join(10)
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 503 and "restart" in r.json()["error"]["message"]

@@ -4,6 +4,9 @@
     POST /v1/completions         a prompt (text or token ids) continued
     POST /v1/chat/completions    messages, through the model's chat format
     GET  /metrics                Prometheus text (`metrics.py`)
+    GET  /health                 200 while the engine loop runs, 503 once it has stopped
+    GET  /version                {"version"} of minipaged
+    POST /tokenize, /detokenize  a prompt (or messages) to token ids and back, as vLLM's
     GET  /                       the pool, live (`live_page.py`); GET /pool and /pool/events
                                  give the state it draws, once or as server-sent events
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.metadata
 import json
 import logging
 
@@ -28,19 +32,23 @@ from fastapi.responses import (HTMLResponse, JSONResponse, PlainTextResponse, Re
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from ..errors import RequestError
+from ..errors import RequestError, TokenizerError
 from ..formats import chat_format
 from .live_page import LIVE_PAGE
 from .loop import EngineLoop, QueueFullError, pool_state
 from .metrics import prometheus_text
-from .protocol import (APIError, Answer, check_fields, get_bool, get_model, parse_json,
-                       sampling, sse, usage)
+from .protocol import (CHAT_FIELDS, COMPLETION_FIELDS, APIError, Answer, check_fields,
+                       get_bool, get_model, parse_json, sampling, sse, usage)
 
 CHAT_DEFAULT_MAX_TOKENS = 256     # a chat reply's length when the request names none
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 EVENTS_PERIOD = 0.1               # seconds between two pictures of the pool on /pool/events
 MAX_BODY_BYTES = 2**20            # a request body past this is refused (413), unread
 log = logging.getLogger("minipaged.serve")
+try:
+    VERSION = importlib.metadata.version("minipaged")
+except importlib.metadata.PackageNotFoundError:     # run from a checkout never installed
+    VERSION = "unknown"
 
 
 class Choice:
@@ -131,7 +139,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str,
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_json(request)
-        check_fields(body, chat=False)
+        check_fields(body, COMPLETION_FIELDS)
         get_model(body, model_name)
         opts = sampling(body, COMPLETION_DEFAULT_MAX_TOKENS, max_n, chat=False)
         echo = get_bool(body, "echo")
@@ -163,7 +171,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str,
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_json(request)
-        check_fields(body, chat=True)
+        check_fields(body, CHAT_FIELDS)
         get_model(body, model_name)
         opts = sampling(body, CHAT_DEFAULT_MAX_TOKENS, max_n, chat=True)
         messages = body.get("messages")
@@ -265,6 +273,70 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str,
     async def picture():
         """The pool as the live page draws it, taken by the loop between two steps."""
         return await asyncio.wrap_future(loop.ask(lambda: pool_state(engine, loop)))
+
+    @app.get("/health")
+    async def health():
+        if loop.thread.is_alive() and not loop.stopping:
+            return Response(status_code=200)
+        raise APIError("the engine loop has stopped; restart the server", status=503,
+                       kind="server_error", code="engine_stopped")
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's shapes: {prompt, add_special_tokens} or {messages} in; {count, max_model_len,
+        tokens, token_strs} out (token_strs if `return_token_strs`)."""
+        body = await read_json(request)
+        chat = "messages" in body
+        check_fields(body, {"model", "return_token_strs"} |
+                     ({"messages", "add_generation_prompt"} if chat else
+                      {"prompt", "add_special_tokens"}))
+        if body.get("model") is not None:
+            get_model(body, model_name)
+        if chat:
+            if body.get("add_generation_prompt") is False:
+                raise APIError("add_generation_prompt=false is not supported: the chat format "
+                               "always ends with the assistant's header", code="invalid_value",
+                               param="add_generation_prompt")
+            messages = body["messages"]
+            if not isinstance(messages, list) or not messages:
+                raise APIError("messages must be a non-empty list of {role, content} objects",
+                               param="messages", code="invalid_type")
+            try:
+                ids = await asyncio.to_thread(fmt.encode_dialog_prompt,
+                                              [plain_message(m) for m in messages])
+            except RequestError as e:
+                raise APIError(str(e), param="messages", code="invalid_value") from None
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise APIError("prompt must be a string (or send messages)", param="prompt",
+                               code="invalid_type")
+            ids = await asyncio.to_thread(tokenizer.encode, prompt,
+                                          bos=get_bool(body, "add_special_tokens", True))
+        strs = [piece(t)[0] for t in ids] if get_bool(body, "return_token_strs") else None
+        return {"count": len(ids), "max_model_len": engine.max_seq_len, "tokens": ids,
+                "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's shapes: {tokens} in, {prompt} out."""
+        body = await read_json(request)
+        check_fields(body, {"model", "tokens"})
+        if body.get("model") is not None:
+            get_model(body, model_name)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise APIError("tokens must be a list of token ids", param="tokens",
+                           code="invalid_type")
+        try:
+            return {"prompt": await asyncio.to_thread(tokenizer.decode, ids)}
+        except TokenizerError as e:
+            raise APIError(str(e), param="tokens", code="invalid_value") from None
 
     @app.get("/metrics")
     async def metrics():

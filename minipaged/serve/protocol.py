@@ -114,9 +114,8 @@ def get_model(body, served: str) -> str:
     return v
 
 
-def check_fields(body, chat: bool) -> None:
-    """Refuse the first field this endpoint does not honour (400, naming it)."""
-    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+def check_fields(body, known: set) -> None:
+    """Refuse the first field of `body` not in `known` (400, naming it)."""
     for name, v in body.items():
         if name in known or v is None or any(
                 v == d and isinstance(v, bool) == isinstance(d, bool) for d in NO_EFFECT.get(name, ())):
