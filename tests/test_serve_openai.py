@@ -4,6 +4,8 @@
 /version and /health in vLLM's shapes."""
 
 import json
+import subprocess
+import sys
 from importlib.metadata import version
 
 import httpx
@@ -15,9 +17,10 @@ from conftest import tiny_model
 from minipaged import Engine
 from minipaged.formats import chat_format
 from minipaged.generation import row_generator
+from minipaged.serve.__main__ import install_hint
 from minipaged.serve.server import start
 
-from test_serve import client
+from test_serve import ROOT, client
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +192,27 @@ def test_tokenize_and_detokenize_in_vllms_shapes(server):
                               ("/tokenize", {"prompt": "a", "truncate": 3}, "truncate")]:
         r = post(server, body, path)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_errors_speak_the_servers_flags(server, tmp_path):
+    ctx = server.engine.max_seq_len
+    r = post(server, {"model": "embedded", "prompt": "x", "max_tokens": 100000})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "max_tokens"
+    assert "--max-model-len" in err["message"] and f"at most {ctx - 2} tokens" in err["message"]
+    assert "max_new_tokens" not in err["message"] and "max_seq_len" not in err["message"]
+    assert install_hint(ROOT) == f"pip install -e '{ROOT}[serve]'"
+    assert install_hint(tmp_path).startswith("pip install 'fastapi")     # an installed copy
+
+
+def test_help_is_whole_and_names_every_option():
+    out = subprocess.run([sys.executable, "-m", "minipaged.serve", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert "the pool drawn live at http://HOST:PORT/ ." in " ".join(out.stdout.split())
+    for flag in ("--host HOST", "--port PORT"):
+        line = next(x for x in out.stdout.splitlines() if x.strip().startswith(flag))
+        assert len(line.split(flag)[1].strip()) > 10          # a help text beside it
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")

@@ -189,6 +189,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str,
 
     async def answer(request, ans: Answer, ids, opts):
         """Hand the request to the engine loop; stream its tokens or gather them."""
+        check_room(engine, len(ids), opts["max_tokens"])
         stop_tokens = [] if opts["ignore_eos"] else tokenizer.stop_tokens
         try:
             ticket = await asyncio.wrap_future(loop.submit(
@@ -374,6 +375,27 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str,
                                  headers={"Cache-Control": "no-cache"})
 
     return app
+
+
+def check_room(engine, prompt_tokens: int, max_tokens: int) -> None:
+    """Refuse, in the server's words (its flags), a request the context or the pool could never
+    hold: the engine would refuse it too, in its own."""
+    ctx, s = engine.max_seq_len, engine.scheduler
+    if prompt_tokens >= ctx:
+        raise APIError(f"the prompt has {prompt_tokens} tokens, and this server's context holds "
+                       f"{ctx} with the answer (--max-model-len); shorten it", param="prompt",
+                       code="invalid_value")
+    if prompt_tokens + max_tokens > ctx:
+        raise APIError(f"the prompt's {prompt_tokens} tokens and max_tokens={max_tokens} need "
+                       f"{prompt_tokens + max_tokens} positions, past this server's context of "
+                       f"{ctx} (--max-model-len): ask for at most {ctx - prompt_tokens} tokens",
+                       param="max_tokens", code="invalid_value")
+    blocks = s.blocks_for(prompt_tokens + max_tokens - 1)
+    if blocks > s.num_blocks:
+        raise APIError(f"the prompt's {prompt_tokens} tokens and max_tokens={max_tokens} may "
+                       f"need {blocks} blocks of {s.block_size} tokens, but this server's pool "
+                       f"has {s.num_blocks} (--num-blocks, --kv-budget): ask for fewer tokens",
+                       param="max_tokens", code="invalid_value")
 
 
 def plain_message(m) -> dict:
