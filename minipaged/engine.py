@@ -31,6 +31,7 @@ from .backends import available_backends
 from .checks import check_request, check_flag, check_stop_tokens, check_whole
 from .errors import RequestError, UsageError
 from .generation import sample
+from .sampling import token_logprobs
 from .kv_budget import bytes_per_block
 from .kv_formats import check_kv_dtype, stored_layout
 from .paged_cache import PagedCache
@@ -154,16 +155,20 @@ class Engine:
     # -- requests in -----------------------------------------------------------------------------
     def add_request(self, prompt, max_new_tokens: int, temperature: float = 0.0,
                     top_p: float = 1.0, generator=None, stop_tokens=None,
-                    arrival_step: int = 0) -> Request:
+                    arrival_step: int = 0, logprobs: int | None = None) -> Request:
         """Queue a prompt (token ids). It joins `waiting` at `arrival_step` (0: now). A request
-        that is malformed, or that the pool could never hold, is refused here (RequestError)."""
+        that is malformed, or that the pool could never hold, is refused here (RequestError).
+        `logprobs=k` keeps each sampled token's log-probability and its k likeliest rivals in
+        `req.token_logprobs` (computed only for requests that ask)."""
         check_request(self.model, [prompt], max_new_tokens, temperature, top_p, self.max_seq_len)
         stop = check_stop_tokens(self.model, stop_tokens)
         arrival_step = check_whole("arrival_step", arrival_step)
+        if logprobs is not None:
+            logprobs = check_whole("logprobs", logprobs)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise RequestError(f"generator must be a torch.Generator (or None), not {generator!r}")
         req = Request(self.next_req_id, list(prompt), int(max_new_tokens), temperature, top_p,
-                      generator, stop, max(arrival_step, self.step_count))
+                      generator, stop, max(arrival_step, self.step_count), logprobs=logprobs)
         self.scheduler.check(req)
         self.requests.append(req)
         self.next_req_id += 1
@@ -292,11 +297,13 @@ class Engine:
 
     def _sample(self, reqs, logits) -> list[int]:
         """One token per row of (B, V) logits: one argmax for the batch, and a draw from each
-        sampling request's own generator."""
+        sampling request's own generator (and its logprobs, if it asked)."""
         tokens = logits.argmax(-1).tolist()
         for i, r in enumerate(reqs):
             if r.temperature > 0:
                 tokens[i] = sample(logits[i], r.temperature, r.top_p, r.generator)
+            if r.logprobs is not None:
+                r.token_logprobs.append(token_logprobs(logits[i], tokens[i], r.logprobs))
         return tokens
 
     # -- a whole trace ---------------------------------------------------------------------------

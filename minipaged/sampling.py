@@ -21,6 +21,16 @@ def sample(logits, temperature: float, top_p: float, generator=None) -> int:
     return int(order[choice])
 
 
+def token_logprobs(logits, token: int, k: int) -> tuple:
+    """(token's log-probability, [(id, log-probability)] of the k likeliest) under the model's
+    own distribution: the raw logits' log-softmax, before temperature and top-p (vLLM's
+    default, `raw_logprobs`), so a sampled token has the same logprob as a greedy one."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logp, min(k, logp.numel())) if k else None
+    rivals = list(zip(top.indices.tolist(), top.values.tolist())) if k else []
+    return float(logp[token]), rivals
+
+
 def tempered_softmax(logits, temperature: float):
     """softmax(logits / temperature) over the last dimension, for any temperature > 0. The
     largest logit is taken off first and the temperature is at least float32's smallest normal

@@ -47,6 +47,8 @@ class Request:
     seq_id: int | None = None             # its row in the cache while it holds blocks
     num_preemptions: int = 0
     finish_step: int | None = None
+    logprobs: int | None = None           # asked for: keep each token's log-probability and
+    token_logprobs: list = field(default_factory=list)   # its top `logprobs` rivals (`sampling`)
 
     @property
     def num_tokens(self) -> int:

@@ -69,7 +69,8 @@ class SharingEngine(ChunkedEngine):
 
     def add_request(self, prompt, max_new_tokens: int, temperature: float = 0.0,
                     top_p: float = 1.0, generator=None, stop_tokens=None,
-                    arrival_step: int = 0, n: int = 1, generators=None) -> Request:
+                    arrival_step: int = 0, n: int = 1, generators=None,
+                    logprobs: int | None = None) -> Request:
         """Stage 5's `add_request`; n > 1 asks for n samples sharing the prompt's blocks, added
         one after the other (returned: the first). `generators` gives each its own stream (else
         `generator` for the first and none for the rest, which only makes sense greedy)."""
@@ -83,12 +84,12 @@ class SharingEngine(ChunkedEngine):
                                f"at most {self.scheduler.max_num_seqs}; raise max_num_seqs")
         gens = list(generators) if generators is not None else [generator] + [None] * (n - 1)
         req = super().add_request(prompt, max_new_tokens, temperature, top_p, gens[0],
-                                  stop_tokens, arrival_step)
+                                  stop_tokens, arrival_step, logprobs)
         siblings = []
         for g in gens[1:]:                         # forked from req after its prefill
             sib = Request(self.next_req_id, list(req.prompt), req.max_new_tokens, temperature,
                           top_p, g, req.stop_tokens, req.arrival_step, status=req.status,
-                          finish_step=req.finish_step)
+                          finish_step=req.finish_step, logprobs=req.logprobs)
             self.requests.append(sib)
             self.next_req_id += 1
             siblings.append(sib)

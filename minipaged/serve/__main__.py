@@ -1,9 +1,11 @@
-"""`python -m minipaged.serve`: an OpenAI-compatible server on the engine, and the pool live at
-http://HOST:PORT/ ."""
+"""`python -m minipaged.serve`: an OpenAI-compatible server on the engine (/v1/completions,
+/v1/chat/completions, /v1/models; /tokenize, /detokenize, /health, /version, /metrics), and the
+pool drawn live at http://HOST:PORT/ ."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -19,12 +21,22 @@ except ImportError as e:
     MISSING = e.name
 
 
+def install_hint(root: Path = Path(__file__).resolve().parents[2]) -> str:
+    """How to add the serve extra: in a source checkout (`root` holds pyproject.toml), the
+    editable install of the extra; in an installed copy, the packages the extra adds."""
+    if (root / "pyproject.toml").is_file():
+        return f"pip install -e '{root}[serve]'"
+    return "pip install 'fastapi>=0.110' 'uvicorn>=0.29' (the serve extra's packages)"
+
+
 def build_parser():
-    p = cli.ArgumentParser(prog="python -m minipaged.serve", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="python -m minipaged.serve", description=" ".join(__doc__.split()))
     p.add_argument("--model", help="a Llama 3 checkpoint folder, a .gguf file, or "
                    f"{' / '.join(PACKAGED_MODELS)} (default: the embedded model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=cli.whole(0, 65535), default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: "
+                   "127.0.0.1, this machine only; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=cli.whole(0, 65535), default=8000,
+                   help="the TCP port to listen on (default: 8000; 0 for a free one)")
     p.add_argument("--block-size", type=cli.whole(1), default=16)
     p.add_argument("--num-blocks", type=cli.whole(1), help="blocks per layer in the KV pool")
     p.add_argument("--kv-budget", type=cli.size, help="memory for the KV pool, all layers "
@@ -55,7 +67,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if MISSING:
         raise UsageError(f"the server needs the serve extra ({MISSING} is missing): "
-                         f"pip install -e '.[serve]'")
+                         f"{install_hint()}")
     sock = listen(args.host, args.port)
     loop, app, _, _ = build(args.model, getattr(torch, args.dtype), args.block_size,
                             args.num_blocks, args.kv_budget, args.preemption, args.max_num_seqs,

@@ -36,7 +36,8 @@ class QueueFullError(MiniPagedError):
 class Ticket:
     """One client request: its `n` samples in the engine, and where their tokens go."""
     samples: list                      # the engine's Request objects, sample order
-    queue: asyncio.Queue               # (index, new tokens, finish_reason or None) events
+    queue: asyncio.Queue               # (index, new tokens, finish_reason or None, their
+                                       # token_logprobs or None) events
     aio: asyncio.AbstractEventLoop
     sent: list = field(default_factory=list)     # tokens already posted, per sample
     done: list = field(default_factory=list)     # finished, per sample
@@ -81,9 +82,11 @@ class EngineLoop:
 
     # -- called from the HTTP side ----------------------------------------------------------------
     def submit(self, prompt, max_tokens: int, temperature: float, top_p: float, n: int,
-               seed: int | None, stop_tokens) -> concurrent.futures.Future:
-        """Ask for `n` samples of `prompt`; the future gives a Ticket, or the engine's
-        RequestError (the request changed nothing), or QueueFullError."""
+               seed: int | None, stop_tokens, logprobs: int | None = None
+               ) -> concurrent.futures.Future:
+        """Ask for `n` samples of `prompt` (with each token's logprobs and `logprobs` rivals,
+        if not None); the future gives a Ticket, or the engine's RequestError (the request
+        changed nothing), or QueueFullError."""
         aio, queue = asyncio.get_running_loop(), asyncio.Queue()
         seed = random.randrange(2**63) if seed is None else seed
 
@@ -95,7 +98,7 @@ class EngineLoop:
                                      f"engine; try again shortly")
             gens = [row_generator(seed, j) if temperature > 0 else None for j in range(n)]
             e.add_request(prompt, max_tokens, temperature, top_p, stop_tokens=stop_tokens,
-                          n=n, generators=gens)
+                          n=n, generators=gens, logprobs=logprobs)
             t = Ticket(e.requests[-n:], queue, aio, [0] * n, [False] * n)
             self.tickets.append(t)
             return t
@@ -216,6 +219,8 @@ class EngineLoop:
                 if t.done[i]:
                     continue
                 new = r.output[t.sent[i]:]
+                lps = r.token_logprobs[t.sent[i]:len(r.output)] if r.logprobs is not None \
+                    else None                 # (a stop token's entry, last, is not sent)
                 t.sent[i] = len(r.output)
                 reason = None
                 if r.status == "finished":
@@ -225,7 +230,7 @@ class EngineLoop:
                     self.aborted_ids.discard(r.req_id)
                 if new or reason:
                     try:
-                        t.aio.call_soon_threadsafe(t.queue.put_nowait, (i, new, reason))
+                        t.aio.call_soon_threadsafe(t.queue.put_nowait, (i, new, reason, lps))
                     except RuntimeError:      # its event loop has closed (shutdown)
                         pass
             (gone if all(t.done) else live).append(t)

@@ -9,6 +9,22 @@ import time
 import uuid
 
 MAX_STOP_STRINGS = 4            # OpenAI's limit
+MAX_LOGPROBS = 20               # rivals per token at most (vLLM's default max_logprobs)
+LOGPROB_FLOOR = -9999.0         # what a -inf logprob is sent as (JSON has no -inf; vLLM's floor)
+
+# The request fields each endpoint honours. Any other is refused with a 400 naming it, as
+# OpenAI refuses an unknown argument, unless it asks for what the server does anyway: the
+# values in NO_EFFECT (vLLM's and OpenAI's defaults). Nothing is silently ignored.
+SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream",
+                 "stream_options", "logprobs", "ignore_eos",
+                 "user"}                 # an end-user id for the operator's logs: no effect
+COMPLETION_FIELDS = SHARED_FIELDS | {"prompt", "echo"}
+CHAT_FIELDS = SHARED_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+NO_EFFECT = {"top_k": (-1, 0), "min_p": (0,), "presence_penalty": (0,),
+             "frequency_penalty": (0,), "repetition_penalty": (1,), "min_tokens": (0,),
+             "best_of": (1,), "suffix": ("",), "logit_bias": ({},), "tools": ([],),
+             "tool_choice": ("none",), "functions": ([],), "response_format": ({"type": "text"},),
+             "store": (False,)}
 
 
 class APIError(Exception):
@@ -98,7 +114,32 @@ def get_model(body, served: str) -> str:
     return v
 
 
-def sampling(body, max_tokens_default, max_n) -> dict:
+def check_fields(body, known: set) -> None:
+    """Refuse the first field of `body` not in `known` (400, naming it)."""
+    for name, v in body.items():
+        if name in known or v is None or any(
+                v == d and isinstance(v, bool) == isinstance(d, bool) for d in NO_EFFECT.get(name, ())):
+            continue
+        what = f"{name}={json.dumps(v)[:40]} is not supported by this server" \
+            if name in NO_EFFECT else f"unknown field {name!r}"
+        raise APIError(f"{what}; leave it out (this endpoint reads: {', '.join(sorted(known))})",
+                       param=name, code="unsupported_parameter")
+
+
+def get_logprobs(body, chat: bool) -> int | None:
+    """How many rivals to send with each token's logprob; None: no logprobs. Completions ask
+    with `logprobs: k`, chat with `logprobs: true` and `top_logprobs: k`."""
+    if not chat:
+        return get_int(body, "logprobs", None, low=0, high=MAX_LOGPROBS)
+    if get_bool(body, "logprobs"):
+        return get_int(body, "top_logprobs", 0, low=0, high=MAX_LOGPROBS)
+    if body.get("top_logprobs") is not None:
+        raise APIError("top_logprobs needs \"logprobs\": true", param="top_logprobs",
+                       code="invalid_value")
+    return None
+
+
+def sampling(body, max_tokens_default, max_n, chat: bool) -> dict:
     """The fields every generation request shares, checked (`n` before anything is built for
     it: at most `max_n`, the samples the engine runs at once)."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -113,6 +154,7 @@ def sampling(body, max_tokens_default, max_n) -> dict:
         "stream": get_bool(body, "stream"),
         "include_usage": _include_usage(body),
         "ignore_eos": get_bool(body, "ignore_eos"),    # vLLM's extension: run to max_tokens
+        "logprobs": get_logprobs(body, chat),
     }
 
 
@@ -134,11 +176,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-class Answer:
-    """One response (completion or chat), the shapes of its chunks and of its whole body."""
+def _lp(x: float) -> float:
+    return max(x, LOGPROB_FLOOR)
 
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model, self.created = chat, model, int(time.time())
+
+class Answer:
+    """One response (completion or chat), the shapes of its chunks and of its whole body.
+    `piece(token)` gives a token's (text, bytes), for logprobs."""
+
+    def __init__(self, chat: bool, model: str, piece=None):
+        self.chat, self.model, self.created, self.piece = chat, model, int(time.time()), piece
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.object = "chat.completion" if chat else "text_completion"
 
@@ -146,15 +193,35 @@ class Answer:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None}
 
-    def chunk(self, index: int, text: str | None, finish_reason=None, role=False) -> dict:
+    def logprobs(self, tokens, entries, offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object for `tokens` and their engine entries (logprob, rivals);
+        None if the request asked for none. `offset`: where the first token's text starts in
+        the choice's text (completions' text_offset)."""
+        if entries is None:
+            return None
+        if self.chat:
+            def one(t, lp):
+                text, raw = self.piece(t)
+                return {"token": text, "logprob": _lp(lp), "bytes": list(raw)}
+            return {"content": [{**one(t, lp), "top_logprobs": [one(r, x) for r, x in rivals]}
+                                for t, (lp, rivals) in zip(tokens, entries)]}
+        texts = [self.piece(t)[0] for t in tokens]
+        offsets = [offset + sum(map(len, texts[:i])) for i in range(len(texts))]
+        return {"tokens": texts, "token_logprobs": [_lp(lp) for lp, _ in entries],
+                "top_logprobs": [{self.piece(r)[0]: _lp(x) for r, x in [(t, lp)] + rivals}
+                                 for t, (lp, rivals) in zip(tokens, entries)],
+                "text_offset": offsets}
+
+    def chunk(self, index: int, text: str | None, finish_reason=None, role=False,
+              logprobs=None) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else \
                 ({} if text is None else {"content": text})
-            choice = {"index": index, "delta": delta, "logprobs": None,
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None,
+            choice = {"index": index, "text": text or "", "logprobs": logprobs,
                       "finish_reason": finish_reason}
         return {**self._head(obj), "choices": [choice]}
 
@@ -162,14 +229,15 @@ class Answer:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [], "usage": use}
 
-    def whole(self, texts, reasons, use: dict) -> dict:
+    def whole(self, texts, reasons, use: dict, logprobs=None) -> dict:
+        logprobs = logprobs or [None] * len(texts)
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": t},
-                        "logprobs": None, "finish_reason": f}
-                       for i, (t, f) in enumerate(zip(texts, reasons))]
+                        "logprobs": lp, "finish_reason": f}
+                       for i, (t, f, lp) in enumerate(zip(texts, reasons, logprobs))]
         else:
-            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
-                       for i, (t, f) in enumerate(zip(texts, reasons))]
+            choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": f}
+                       for i, (t, f, lp) in enumerate(zip(texts, reasons, logprobs))]
         return {**self._head(self.object), "choices": choices, "usage": use}
 
 
