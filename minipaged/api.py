@@ -31,7 +31,7 @@ __all__ = ["Engine", "PAGED_OPTIONS", "beam_search", "generate"]
 PAGED_OPTIONS = ("block_size", "num_blocks", "kv_budget", "preemption", "num_cpu_blocks",
                  "watermark", "backend", "max_num_seqs", "prefix_caching",
                  "max_num_batched_tokens", "speculative", "num_speculative_tokens",
-                 "draft_policy", "kv_dtype")
+                 "draft_policy", "prompt_lookup_min", "kv_dtype")
 
 
 @torch.inference_mode()

@@ -86,7 +86,8 @@ def check_pool(num_blocks, block_size, n_kv_heads, head_dim, max_seqs, max_block
     for a PagedCache's `n_layers` pools, before any is allocated."""
     per_layer = pool_bytes(num_blocks, block_size, n_kv_heads, head_dim, max_seqs,
                            max_blocks_per_seq, dtype, kv_bytes_per_token)
-    check_device(device, dtype)                   # an integer KV pool cannot be attended over
+    # an integer pool cannot be attended over, but for int8: stage 4b's codes with their scales
+    check_device(device, None if dtype == torch.int8 else dtype)
     block = block_size * kv_bytes_per_token(n_kv_heads, head_dim, dtype, n_layers or 1)
     if per_layer > 2 * num_blocks * block // (n_layers or 1):    # mostly block tables
         check_memory((n_layers or 1) * per_layer, device,
