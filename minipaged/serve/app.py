@@ -174,18 +174,21 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str,
         check_fields(body, CHAT_FIELDS)
         get_model(body, model_name)
         opts = sampling(body, CHAT_DEFAULT_MAX_TOKENS, max_n, chat=True)
-        messages = body.get("messages")
+        ids = await dialog_ids(body.get("messages"))
+        if "max_tokens" not in body and "max_completion_tokens" not in body:
+            opts["max_tokens"] = max(1, min(opts["max_tokens"], engine.max_seq_len - len(ids)))
+        return await answer(request, Answer(True, model_name, piece), ids, opts)
+
+    async def dialog_ids(messages) -> list[int]:
+        """A chat's messages through the model's chat format, in a worker thread."""
         if not isinstance(messages, list) or not messages:
             raise APIError("messages must be a non-empty list of {role, content} objects",
                            param="messages", code="invalid_type")
         try:
-            ids = await asyncio.to_thread(fmt.encode_dialog_prompt,
-                                          [plain_message(m) for m in messages])
+            return await asyncio.to_thread(fmt.encode_dialog_prompt,
+                                           [plain_message(m) for m in messages])
         except RequestError as e:
             raise APIError(str(e), param="messages", code="invalid_value") from None
-        if "max_tokens" not in body and "max_completion_tokens" not in body:
-            opts["max_tokens"] = max(1, min(opts["max_tokens"], engine.max_seq_len - len(ids)))
-        return await answer(request, Answer(True, model_name, piece), ids, opts)
 
     async def answer(request, ans: Answer, ids, opts):
         """Hand the request to the engine loop; stream its tokens or gather them."""
@@ -302,15 +305,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str,
                 raise APIError("add_generation_prompt=false is not supported: the chat format "
                                "always ends with the assistant's header", code="invalid_value",
                                param="add_generation_prompt")
-            messages = body["messages"]
-            if not isinstance(messages, list) or not messages:
-                raise APIError("messages must be a non-empty list of {role, content} objects",
-                               param="messages", code="invalid_type")
-            try:
-                ids = await asyncio.to_thread(fmt.encode_dialog_prompt,
-                                              [plain_message(m) for m in messages])
-            except RequestError as e:
-                raise APIError(str(e), param="messages", code="invalid_value") from None
+            ids = await dialog_ids(body["messages"])
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
