@@ -15,13 +15,15 @@
    half-precision products spilled and took twice as long at 16 rows). More rows make several
    passes over the same panel, which is then in the core's L2.
 
-   Memory: while a thread multiplies one panel it asks for the next one (into L2) at an even
-   rate, one or two of its 64-byte lines at every k, spread over all the passes it makes over
-   the panel, so weights keep arriving while the core multiplies. Asked for in a burst (all in
-   the first pass), the products of 24 to 64 rows took 20-35% longer on AVX-512; left to the
-   hardware prefetcher, 5-43% longer; counted out by a branch that varied from one k to the
-   next, some row counts ran up to a fifth slower, which ones depending on where the compiler
-   placed the loop. Each pass also asks for its own panel's rows PREFETCH rows ahead (into L1).
+   Memory: while a thread multiplies one panel it asks for the next one (prefetcht0: into L1
+   and L2) at an even rate, one or two of its 64-byte lines at every k, spread over all the
+   passes it makes over the panel, so weights keep arriving while the core multiplies. Asked
+   for in a burst (all in the first pass), the products of 24 to 64 rows took 20-35% longer on
+   AVX-512; left to the hardware prefetcher, 5-43% longer; counted out by a branch that varied
+   from one k to the next, some row counts ran up to a fifth slower, which ones depending on
+   where the compiler placed the loop. Asking for the next panel into L2 only, with each pass
+   also asking for its own panel's rows 16 ahead into L1, was 1-9% slower at 1 row, 5-19% at 4
+   rows and 4-13% at 16 (both AVX2 and AVX-512 builds, on an AMD EPYC, Zen 5).
 
    On one thread, a helper may take part in the float32 products (`panel_helper`, at the end of
    this file). Built without OpenMP (Apple's clang), every product runs on the calling thread. */
@@ -52,7 +54,6 @@ static int omp_get_num_threads(void) { return 1; }
 #define MR_MAX 2       /* NEON, plain: 8 * 2 sums, 8 weights */
 #endif
 #endif
-#define PREFETCH 16    /* panel rows ahead */
 
 typedef float w_f32;            /* a weight as stored in the panels */
 typedef uint16_t w_bf16, w_f16;
@@ -77,10 +78,8 @@ static void pass_##KIND##_##MR(const float *x, int K, const void *panel, float *
     int twice = lines > K;                                                                     \
     uint64_t step = ((uint64_t)lines << 32) / (twice ? 2 * K : K), at = 0;                     \
     for (int k = 0; k < K; k++) {                                                              \
-        const char *ahead = (const char *)(w + (int64_t)(k + PREFETCH) * NR);                  \
-        for (int b = 0; b < ROW; b += 64) __builtin_prefetch(ahead + b, 0, 3);   /* L1 */      \
-        __builtin_prefetch(line + ((at >> 32) << 6), 0, 2); at += step;           /* L2 */      \
-        if (twice) { __builtin_prefetch(line + ((at >> 32) << 6), 0, 2); at += step; }         \
+        __builtin_prefetch(line + ((at >> 32) << 6), 0, 3); at += step;                         \
+        if (twice) { __builtin_prefetch(line + ((at >> 32) << 6), 0, 3); at += step; }         \
         const w_##KIND *row = w + (int64_t)k * NR;                                             \
         if (MR * NV + NV + 1 <= VREGS) {       /* a panel row in registers, one x at a time */ \
             vfloat wv[NV];                                                                     \
