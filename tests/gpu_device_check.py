@@ -370,7 +370,7 @@ def bench():
                 for min_keys in (128, 256):
                     n_splits = ta.choose_splits(B * Hk, L, sms, min_keys)
                     variants.append((L, min_keys, n_splits, time_us(triton_call(big, n_splits))))
-            del pools
+            pools.clear()
             if DEV == "cuda":
                 torch.cuda.empty_cache()
     print(f"\n## Batch 1, Triton (256) with partitions of at least 128 or 256 keys (the table: "

@@ -7,7 +7,6 @@ import re
 from types import SimpleNamespace
 
 import pytest
-import torch
 from rich.console import Console
 
 from minipaged import ModelArgs

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import socket
-from pathlib import Path
 
 import gguf
 import numpy as np

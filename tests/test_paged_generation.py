@@ -9,14 +9,11 @@ every token) and, for the bookkeeping, counts derived here from the prompts and 
 by the callback — never a number the cache reports about itself.
 """
 
-import random
-
 import pytest
 import torch
 from conftest import greedy_reference, tiny_model
 
 from minipaged import OutOfBlocksError, RequestError, generate
-from minipaged.cache_manager import CacheManager
 from minipaged.paged_cache import PagedCache, generate_paged
 
 PAGED = ["static", "engine"]

@@ -17,7 +17,6 @@ import torch
 from conftest import check_paged_generation
 from test_paged_attention import attend, random_paged_case
 
-from minipaged import cpu_attention
 from minipaged import triton_attention as ta
 from minipaged.online_softmax import combine_partitions
 from minipaged.paged_attention import flash_attn_with_kvcache

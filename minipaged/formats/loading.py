@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..checks import check_device
-from ..errors import CheckpointError, TokenizerError, UsageError
+from ..errors import CheckpointError, TokenizerError
 from ..model import Llama
 from .atomic import recover
 from .checkpoint import check_args, read_hf, read_meta

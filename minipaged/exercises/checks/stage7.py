@@ -90,21 +90,21 @@ def speculative_greedy_tokens():
     want = _no_cache_continuations(n)
     for k, bs, blocks, extra in ((3, 4, 64, {}), (6, 1, 96, {}), (1, 3, 40, {}),
                                  (3, 3, 64, {"prefix_caching": True}), (3, 2, 24, {})):
-        for speculative in ((None, None), ("ngram", k)):
+        for how in ((None, None), ("ngram", k)):
             engine = SpeculativeEngine(model, blocks, bs, max_num_seqs=4, backend="torch",
-                                       speculative=speculative[0],
-                                       num_speculative_tokens=speculative[1], **extra)
+                                       speculative=how[0],
+                                       num_speculative_tokens=how[1], **extra)
             for p in _repetitive_prompts():
                 engine.add_request(p, n, stop_tokens=[])
             got = [r.output for r in engine.run()]
             what = (f"blocks of {bs}, {blocks} in the pool, " + (f"{k} drafts a step" if
-                    speculative[0] else "no speculation") + (", prefix caching" if extra else ""))
+                    how[0] else "no speculation") + (", prefix caching" if extra else ""))
             expect(got == want, f"{what}: the engine's greedy tokens are {got}, but the no-cache "
                                 f"forward gives {want}")
             expect(engine.cache.num_free_blocks == blocks,
                    f"{what}: when every request finished, {blocks - engine.cache.num_free_blocks} "
                    f"block(s) were still held")
-            if speculative[0]:
+            if how[0]:
                 expect(engine.spec.draft_tokens > 0, f"{what}: no draft was ever proposed on "
                                                      f"prompts that repeat themselves")
 
