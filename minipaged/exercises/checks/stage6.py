@@ -33,6 +33,20 @@ def _same_sharing(a, b) -> bool:
         a[3:5] == b[3:5] and torch.equal(a[5], b[5])
 
 
+def _refused(cm, call, at: str, why: str, changed: str) -> None:
+    """`call` (described by `at`) must raise RequestError, because `why`, and change nothing:
+    else the failure says `changed`."""
+    before = _sharing_state(cm)
+    try:
+        call()
+        raised = False
+    except RequestError:
+        raised = True
+    expect(raised, f"{at} returned normally, but {why}: it must raise RequestError and change "
+                   f"nothing")
+    expect(_same_sharing(before, _sharing_state(cm)), f"{at} raised RequestError {changed}")
+
+
 @prop(40)
 @example(2, 8, 0, [("reserve", 0, 0, 3), ("fork", 0, 1, 4)])      # both write a shared block
 @example(2, 8, 0, [("reserve", 0, 0, 3), ("fork", 0, 1, 3)])      # both write nothing
@@ -83,17 +97,8 @@ def sharing_keeps_counts_and_isolation(block_size, num_blocks, seed, ops):
             log.append(f"fork({a}, {b})")
         elif op == "fork":                        # a parent not live, or a child live already
             why = f"sequence {a} is not live" if a not in content else f"sequence {b} is live"
-            before = _sharing_state(cm)
-            try:
-                cm.fork(a, b)
-                raised = False
-            except RequestError:
-                raised = True
-            at = f"after {', '.join(log) or 'nothing'}: fork({a}, {b})"
-            expect(raised, f"{at} returned normally, but {why}: it must raise RequestError and "
-                           f"change nothing")
-            expect(_same_sharing(before, _sharing_state(cm)),
-                   f"{at} raised RequestError ({why}) but changed the tables or the counts first")
+            _refused(cm, lambda: cm.fork(a, b), f"after {', '.join(log) or 'nothing'}: "
+                     f"fork({a}, {b})", why, f"({why}) but changed the tables or the counts first")
         elif op in ("grow", "fork+grow") and a in content:
             if op == "fork+grow":
                 cm.fork(a, b)
@@ -113,18 +118,11 @@ def sharing_keeps_counts_and_isolation(block_size, num_blocks, seed, ops):
                     writers[last] = writers.get(last, 0) + 1
             copies = sum(w - (w == int(cm.refs[blk])) for blk, w in writers.items())
             if any(-(-(len(content[x]) + n) // block_size) > row for x in seqs):
-                before = _sharing_state(cm)
-                try:
-                    cm.grow(seqs, n)
-                    raised = False
-                except RequestError:
-                    raised = True
-                at = f"after {', '.join(log)}: grow({seqs}, {n}) with rows of {row} blocks"
-                expect(raised, f"{at} returned normally, but a sequence would outgrow its row: "
-                               f"it must raise RequestError and change nothing")
-                expect(_same_sharing(before, _sharing_state(cm)),
-                       f"{at} raised RequestError but changed the tables, the counts or a "
-                       f"block's contents first (a copy-on-write made before the refusal?)")
+                _refused(cm, lambda: cm.grow(seqs, n), f"after {', '.join(log)}: "
+                         f"grow({seqs}, {n}) with rows of {row} blocks",
+                         "a sequence would outgrow its row", "but changed the tables, the "
+                         "counts or a block's contents first (a copy-on-write made before the "
+                         "refusal?)")
                 continue
             try:
                 got = cm.grow(seqs, n)
