@@ -22,8 +22,8 @@
    AVX-512; left to the hardware prefetcher, 5-43% longer; counted out by a branch that varied
    from one k to the next, some row counts ran up to a fifth slower, which ones depending on
    where the compiler placed the loop. Asking for the next panel into L2 only, with each pass
-   also asking for its own panel's rows 16 ahead into L1, was 1-9% slower at 1 row, 5-19% at 4
-   rows and 4-13% at 16 (both AVX2 and AVX-512 builds, on an AMD EPYC, Zen 5).
+   also asking for its own panel's rows 16 ahead into L1, was 7-11% slower at 1 row, 4-23% at
+   4 rows, 3-15% at 16 and 1-7% at 64 (AVX2 and AVX-512 builds, on an AMD EPYC, Zen 5).
 
    On one thread, a helper may take part in the float32 products (`panel_helper`, at the end of
    this file). Built without OpenMP (Apple's clang), every product runs on the calling thread. */
