@@ -169,7 +169,8 @@ def _blame(procs, reports, timeout) -> MiniPagedError:
             return cls(rest[1])
     failed = [(r, rest[0]) for r, (kind, *rest) in reports.items() if kind == "failed"]
     silent = [r for r, p in enumerate(procs) if r not in reports and p.exitcode is None]
-    if silent and (not failed or "timed out" in failed[0][1].lower()):
+    timed_out = failed and any(w in failed[0][1].lower() for w in ("timed out", "timeout"))
+    if silent and (not failed or timed_out):      # (gloo says "Timed out" or "Wait timeout")
         return TensorParallelError(f"tensor parallel: rank {silent[0]} of {n} stopped answering "
                                    f"(the others waited {timeout:g} s); every rank was stopped")
     if failed:
