@@ -19,7 +19,9 @@ than a plain step for the same one token a row. So drafts must be paid for by ac
      segment(B) when m < B), measured on the model at hand (`StepCosts.measure`); it yields B
      tokens plus the accepted drafts. The step runs the c and the rows that give the most
      expected tokens per second, if that beats a plain step's B / plain(B) — on a large batch
-     often it does not, and no draft runs.
+     often it does not, and no draft runs. The measured costs are corrected by the steps the
+     engine then runs (`DraftPolicy.observe`): a machine that got busier, or a context that
+     grew, moves them.
 
 Greedy tokens are those of plain decoding whatever the policy decides: it only chooses which
 drafts the verify pass sees, and the pass keeps exactly the ones the model would have produced.
@@ -36,6 +38,7 @@ import torch
 MAX_WAIT = 16                 # the longest pause (in steps) after probes that kept nothing
 MAX_DRY_WAIT = 4              # the longest pause after lookups that found nothing
 DECAY = 0.7                   # weight of older verify steps in a request's acceptance rate
+CORRECTION = 0.2              # weight of the newest step in the costs' correction
 
 
 @dataclass
@@ -135,15 +138,19 @@ class DraftPolicy:
     """Drafts that adapt to each request's acceptance (`adapt_k`) and to the batch
     (`batch_gate`); both off is every step drafting up to k (the engine's `draft_policy="fixed"`).
     `step_costs`: a `StepCosts` to decide by (None: measured on the engine's model when first
-    needed). `trace`: a list to append one row per decoding request per step to (step, req_id,
+    needed). `follow_steps`: correct the costs by the steps the engine runs (`observe`; None:
+    the measured ones only, given costs are taken as they are). `trace`: a list to append one row per decoding request per step to (step, req_id,
     k it asked for, drafts lookup found, drafts run, drafts kept), as `online_softmax`'s trace
     does."""
     adapt_k: bool = True
     batch_gate: bool = True
     step_costs: StepCosts | None = None
+    follow_steps: bool | None = None
     trace: list | None = None
     states: weakref.WeakKeyDictionary = field(     # request -> DraftState, while it lives
         default_factory=weakref.WeakKeyDictionary)
+    plain_scale: float = 1.0      # the steps' times over the costs': plain steps ...
+    draft_scale: float = 1.0      # ... and what drafts add to a step
 
     def drafts(self, reqs, propose, engine) -> dict:
         """This step's drafts for the decoding requests `reqs`: how many each may ask for,
@@ -197,11 +204,11 @@ class DraftPolicy:
         asking = [r for r in reqs if self.states[r].asked]
         if not asking:
             return False
-        costs = self.step_costs or measured_costs(engine, measure=False)
+        costs = self.costs(len(reqs), engine, measure=False)
         if costs is None:
             return True              # not measured yet: measured once lookup finds a draft
         B, best = len(reqs), max(self.alpha(r) for r in asking)
-        plain, fixed, per, _ = costs.at(B)
+        plain, fixed, per, _ = costs
         m = sum(self.states[r].asked for r in asking)
         return (B + m * best) / (plain + fixed + m * per) > B / plain
 
@@ -215,7 +222,7 @@ class DraftPolicy:
         if not any(lengths.values()):
             return {}
         B = len(lengths)
-        plain, fixed, per, seg = (self.step_costs or measured_costs(engine)).at(B)
+        plain, fixed, per, seg = self.costs(B, engine)
         best, best_rate = {}, B / plain
         for c in range(1, max(lengths.values()) + 1):
             gains = sorted(((sum(self.alpha(r) ** i for i in range(1, c + 1)), r)
@@ -227,6 +234,38 @@ class DraftPolicy:
                 if rate > best_rate:
                     best, best_rate = {r: c for _, r in gains[:m]}, rate
         return best
+
+    def costs(self, batch: int, engine=None, measure: bool = True):
+        """(plain, fixed, per_draft, segment) seconds at `batch` rows: the measured costs
+        (`step_costs`, else the engine's model's) times the corrections `observe` made; None if
+        not measured yet and measure=False."""
+        costs = self.step_costs or measured_costs(engine, measure)
+        if costs is None:
+            return None
+        plain, fixed, per, seg = costs.at(batch)
+        d = self.draft_scale
+        return plain * self.plain_scale, fixed * d, per * d, seg * d
+
+    def observe(self, drafts: list, seconds: float, engine=None) -> None:
+        """After a step of decoding rows alone, `drafts[i]` drafts on row i, that took `seconds`
+        (the whole step, as `StepCosts.measure` times it): move the corrections toward what it
+        took. A plain step corrects plain(B); a verify step, given plain(B), what its drafts
+        added. Each correction is a decayed mean of the steps' ratios, each ratio kept within
+        [1/4, 4] (one step slowed by something else moves it little)."""
+        follow = self.step_costs is None if self.follow_steps is None else self.follow_steps
+        costs = self.costs(len(drafts), engine, measure=False) if drafts and follow else None
+        if costs is None:
+            return
+        plain, fixed, per, seg = costs
+        rows = sum(1 for d in drafts if d)
+        if not rows:
+            ratio = seconds / plain if plain > 0 else 1.0
+            self.plain_scale *= (1 - CORRECTION) + CORRECTION * min(4.0, max(0.25, ratio))
+            return
+        added = fixed + sum(drafts) * per + (seg if rows < len(drafts) else 0.0)
+        if added > 0:
+            ratio = (seconds - plain) / added
+            self.draft_scale *= (1 - CORRECTION) + CORRECTION * min(4.0, max(0.25, ratio))
 
     def update(self, req, drafts: int, kept: int) -> None:
         """After a verify pass that ran `drafts` of `req`'s drafts and kept `kept`."""

@@ -282,7 +282,8 @@ class SpeculativeEngine(SharingEngine):
     def _run_model(self, plan) -> list:
         """The decodes first, with their drafts, in one verify forward; then stage 6's calls for
         the step's prefills and chunks. A step where no row has a draft is stage 6's step."""
-        if not any(self.scheduler.drafts.get(r) for r in plan.decode):
+        self._step_drafts = [len(self.scheduler.drafts.get(r, [])) for r in plan.decode]
+        if not any(self._step_drafts):
             for _ in plan.decode if self.speculative else ():
                 self._count(0, 1)             # no draft found: stage 6's plain decode step
             return super()._run_model(plan)
@@ -297,6 +298,13 @@ class SpeculativeEngine(SharingEngine):
             if counts is not None:
                 counts.update(saved)
         return sampled
+
+    def _count_step(self, plan, seconds) -> None:
+        """Stage 5's counters; and a step of decoding rows alone tells the policy what it took
+        (`DraftPolicy.observe`: the costs it decides by follow the machine)."""
+        super()._count_step(plan, seconds)
+        if self.speculative and plan.decode and not plan.prefill:
+            self.policy.observe(self._step_drafts, seconds, self)
 
     def _verify(self, reqs) -> list:
         """One forward over every decoding row's [last token + drafts], rows with as many drafts

@@ -135,6 +135,37 @@ def test_the_gate_opens_on_one_row_and_closes_on_three():
     assert p.best_counts({r: 4 for r in three}) == {}
 
 
+def test_observed_steps_correct_the_costs_until_drafts_stop_paying():
+    """Measured: a step 1 s, a draft 0.01 s (CHEAP: drafts pay). The steps then run take 2 s
+    plain and 2 s more per draft: the corrected costs reach that, one step at a time, and the
+    gate closes (one row of alpha 0.9: at best 1.9 tokens in 4 s, against 1 in 2 s)."""
+    p = DraftPolicy(step_costs=CHEAP, follow_steps=True)
+    r = Request(0, [1], 100)
+    for _ in range(8):
+        p.update(r, 4, 4)                    # every draft kept: alpha near 1 ...
+    p.update(r, 4, 3)                        # ... but not quite
+    assert p.best_counts({r: 4}) == {r: 4}
+    for _ in range(60):
+        p.observe([0], 2.0)
+        p.observe([4], 2.0 + 4 * 2.0)
+    plain, fixed, per, _ = p.costs(1)
+    assert plain == pytest.approx(2.0, rel=0.02) and per == pytest.approx(2.0, rel=0.02)
+    assert p.best_counts({r: 4}) == {}
+    p.observe([0], 1e6)                      # one step slowed by something else: a quarter,
+    assert p.costs(1)[0] == pytest.approx(2.0 * (0.8 + 0.2 * 4))   # at most 4x, of the way
+
+
+def test_the_engine_tells_the_policy_what_its_steps_took(tiny):
+    """Costs given are decided by as they are, unless asked to follow the steps; measured ones
+    (the speed layer's default) follow them."""
+    for follow in (True, None):
+        policy = DraftPolicy(step_costs=CHEAP, follow_steps=follow)   # 1 s a step: far more
+        run(tiny, repetitive_prompts(), 16, num_blocks=64, block_size=4, speculative="ngram",
+            num_speculative_tokens=3, draft_policy=policy)               # than the tiny model's
+        moved = policy.plain_scale < 0.9 and policy.draft_scale < 1.0
+        assert moved if follow else (policy.plain_scale, policy.draft_scale) == (1.0, 1.0)
+
+
 def test_stage_7_drafts_every_step_by_default_and_the_speed_layer_decides(tiny):
     from minipaged.fast import FastEngine
     options = dict(speculative="ngram", num_speculative_tokens=2)
@@ -240,6 +271,8 @@ def test_measured_costs_the_default_keep_the_tokens(tiny, reference):
         for p in repetitive_prompts():
             engine.add_request(p, 24, stop_tokens=[])
         assert [r.output for r in engine.run()] == want, cls.__name__
+        p = engine.policy                  # measured costs, then corrected by the steps run
+        assert p.plain_scale != 1.0 or p.draft_scale != 1.0, cls.__name__
         costs = StepCosts.measure(engine, batches=(1, 2), repeat=1)
         assert costs.batches == [1, 2]
         assert all(0 < x < 10 for x in costs.plain)
