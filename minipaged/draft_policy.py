@@ -19,7 +19,9 @@ than a plain step for the same one token a row. So drafts must be paid for by ac
      segment(B) when m < B), measured on the model at hand (`StepCosts.measure`); it yields B
      tokens plus the accepted drafts. The step runs the c and the rows that give the most
      expected tokens per second, if that beats a plain step's B / plain(B) — on a large batch
-     often it does not, and no draft runs. The measured costs are corrected by the steps the
+     often it does not, and no draft runs; then lookup itself pauses (1 step, 2, 4, ... up to
+     16 while the gate keeps running none of what it finds, until the batch changes). The
+     measured costs are corrected by the steps the
      engine then runs (`DraftPolicy.observe`): a machine that got busier, or a context that
      grew, moves them.
 
@@ -151,6 +153,10 @@ class DraftPolicy:
         default_factory=weakref.WeakKeyDictionary)
     plain_scale: float = 1.0      # the steps' times over the costs': plain steps ...
     draft_scale: float = 1.0      # ... and what drafts add to a step
+    gate_wait: int = 0            # steps left without lookup: the gate ran none of what ...
+    gate_misses: int = 0          # ... lookup found, this many steps in a row, at a batch
+    gate_batch: int = 0           # of this many rows
+    _memo: tuple = field(default=(None, None), repr=False)   # (engine, step, batch) -> costs
 
     def drafts(self, reqs, propose, engine) -> dict:
         """This step's drafts for the decoding requests `reqs`: how many each may ask for,
@@ -159,16 +165,22 @@ class DraftPolicy:
         k = engine.num_speculative_tokens
         for r in reqs:
             self._ask(r, k)
-        if self.batch_gate and not self._may_pay(reqs, engine):
+        if len(reqs) != self.gate_batch:     # another batch: the gate may open again
+            self.gate_wait, self.gate_misses, self.gate_batch = 0, 0, len(reqs)
+        if self.batch_gate and (self.gate_wait or not self._may_pay(reqs, engine)):
+            self.gate_wait = max(0, self.gate_wait - 1)
             proposals = {r: [] for r in reqs}              # no lookup: nothing could pay
         else:
             proposals = {r: propose(r) for r in reqs}
             for r, ds in proposals.items():
                 self._found(r, bool(ds))
         chosen = proposals
-        if self.batch_gate:
+        if self.batch_gate and any(proposals.values()):
             counts = self.best_counts({r: len(ds) for r, ds in proposals.items()}, engine)
             chosen = {r: ds[:counts.get(r, 0)] for r, ds in proposals.items()}
+            # the gate ran none of what lookup found: no lookup for 1, 2, 4 ... 16 steps
+            self.gate_misses = 0 if counts else self.gate_misses + 1
+            self.gate_wait = min(MAX_WAIT, 2 ** (self.gate_misses - 1)) if not counts else 0
         if self.trace is not None:
             for r, ds in chosen.items():
                 self.trace.append(dict(step=engine.step_count, req_id=r.req_id,
@@ -239,7 +251,13 @@ class DraftPolicy:
         """(plain, fixed, per_draft, segment) seconds at `batch` rows: the measured costs
         (`step_costs`, else the engine's model's) times the corrections `observe` made; None if
         not measured yet and measure=False."""
-        costs = self.step_costs or measured_costs(engine, measure)
+        key = (id(engine), getattr(engine, "step_count", None), batch)
+        if self._memo[0] == key:          # asked twice in a step: the same answer
+            costs = self._memo[1]
+        else:
+            costs = self.step_costs or measured_costs(engine, measure)
+            if costs is not None:
+                self._memo = (key, costs)
         if costs is None:
             return None
         plain, fixed, per, seg = costs.at(batch)

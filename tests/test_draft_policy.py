@@ -166,6 +166,25 @@ def test_the_engine_tells_the_policy_what_its_steps_took(tiny):
         assert moved if follow else (policy.plain_scale, policy.draft_scale) == (1.0, 1.0)
 
 
+def test_lookup_pauses_while_the_gate_runs_none_of_what_it_finds():
+    """Three rows that may ask for 4 drafts each could pay (COSTS), but lookup finds one draft
+    for one row, which cannot: the gate runs nothing, and lookup pauses 1 step, then 2, then 4;
+    a batch of another size looks again at once."""
+    p, calls = DraftPolicy(step_costs=COSTS, adapt_k=False), []
+
+    def propose(r):
+        calls.append(step)
+        return [7] if r.req_id == 0 else []
+    three = [Request(i, [1], 100) for i in range(3)]
+    for step in range(12):
+        assert p.drafts(three, propose, SimpleNamespace(num_speculative_tokens=4,
+                                                        step_count=step)) == {}
+    assert sorted(set(calls)) == [0, 2, 5, 10]         # looked, paused 1, 2, then 4 steps
+    calls.clear()
+    p.drafts(three[:2], propose, SimpleNamespace(num_speculative_tokens=4, step_count=step + 1))
+    assert calls                                       # two rows: another gate, looked again
+
+
 def test_stage_7_drafts_every_step_by_default_and_the_speed_layer_decides(tiny):
     from minipaged.fast import FastEngine
     options = dict(speculative="ngram", num_speculative_tokens=2)
