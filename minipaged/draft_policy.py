@@ -21,9 +21,8 @@ than a plain step for the same one token a row. So drafts must be paid for by ac
      expected tokens per second, if that beats a plain step's B / plain(B) — on a large batch
      often it does not, and no draft runs; then lookup itself pauses (1 step, 2, 4, ... up to
      16 while the gate keeps running none of what it finds, until the batch changes). The
-     measured costs are corrected by the steps the
-     engine then runs (`DraftPolicy.observe`): a machine that got busier, or a context that
-     grew, moves them.
+     measured costs are corrected by the steps the engine then runs (`DraftPolicy.observe`):
+     a machine that got busier, or a context that grew, moves them.
 
 Greedy tokens are those of plain decoding whatever the policy decides: it only chooses which
 drafts the verify pass sees, and the pass keeps exactly the ones the model would have produced.
@@ -141,9 +140,9 @@ class DraftPolicy:
     (`batch_gate`); both off is every step drafting up to k (the engine's `draft_policy="fixed"`).
     `step_costs`: a `StepCosts` to decide by (None: measured on the engine's model when first
     needed). `follow_steps`: correct the costs by the steps the engine runs (`observe`; None:
-    the measured ones only, given costs are taken as they are). `trace`: a list to append one row per decoding request per step to (step, req_id,
-    k it asked for, drafts lookup found, drafts run, drafts kept), as `online_softmax`'s trace
-    does."""
+    the measured ones only, given costs are taken as they are). `trace`: a list to append one
+    row per decoding request per step to (step, req_id, k it asked for, drafts lookup found,
+    drafts run, drafts kept), as `online_softmax`'s trace does."""
     adapt_k: bool = True
     batch_gate: bool = True
     step_costs: StepCosts | None = None
