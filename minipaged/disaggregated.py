@@ -118,9 +118,10 @@ class DecodeConnector:
     """The decode side's half: load a request's blocks from the prefill side's pool (`remote`:
     per layer, its (k, v) block tensors) into blocks of its own engine's pool."""
 
-    def __init__(self, engine, remote, fail_loads=()):
+    def __init__(self, engine, remote, fail_loads=(), record: bool = False):
         self.engine, self.remote = engine, remote
         self.stats = TransferStats()
+        self.moves = [] if record else None       # (key, layer, pairs) of every copy, to draw
         self.fail_loads = set(fail_loads)         # keys whose load breaks after layer 0 (tests)
 
     def get_num_new_matched_tokens(self, prompt) -> tuple[int, int]:
@@ -147,8 +148,10 @@ class DecodeConnector:
         try:
             cache.start(row, prompt, (end - have) * cache.block_size)
             for layer, m in enumerate(cache.managers):
-                self.wait_for_layer_load(layer, remap(remote_ids[layer], m.blocks_of(row),
-                                                      have, end))
+                pairs = remap(remote_ids[layer], m.blocks_of(row), have, end)
+                self.wait_for_layer_load(layer, pairs)
+                if self.moves is not None:
+                    self.moves.append((key, layer, pairs))
                 if key in self.fail_loads:
                     raise OSError(f"injected failure loading request {key}")
             cache.name_blocks(row, prompt[:end * cache.block_size])
@@ -206,7 +209,8 @@ def build_engine(cls, model, job: Job, prefill: bool):
     else:
         o["prefix_caching"] = True
         o.pop("max_num_batched_tokens", None)
-    return cls(model, num_blocks, block_size, preemption, kv_budget=kv_budget, seed=job.seed, **o)
+    seed = job.seed if prefill else job.seed + 7919   # another free set: other block ids
+    return cls(model, num_blocks, block_size, preemption, kv_budget=kv_budget, seed=seed, **o)
 
 
 def prefill_loop(engine: PrefillEngine, job: Job, acks, tick=None) -> dict:
@@ -258,7 +262,8 @@ def decode_report(engine, groups, num_prompts, n) -> dict:
             "preemptions": engine.stats.preemptions, "cached_tokens": engine.stats.cached_tokens}
 
 
-def serve_in_one_process(model, job: Job, fail_loads=(), timeout: float = TIMEOUT) -> dict:
+def serve_in_one_process(model, job: Job, fail_loads=(), timeout: float = TIMEOUT,
+                         record: bool = False) -> dict:
     """Both engines in this process, taking turns (for tests and drawings: the same connector,
     the same loops, without the processes)."""
     inbox, acks = queue.Queue(), queue.Queue()
@@ -266,12 +271,13 @@ def serve_in_one_process(model, job: Job, fail_loads=(), timeout: float = TIMEOU
     p.connector = PrefillConnector(p.cache, inbox, timeout)
     d = build_engine(SpeculativeEngine, model, job, prefill=False)
     d.connector = DecodeConnector(d, [(m.k_cache_paged, m.v_cache_paged) for m in p.cache.managers],
-                                  fail_loads)
+                                  fail_loads, record)
     groups = {}
     prefill = prefill_loop(p, job, acks, tick=lambda: decode_tick(d, job, inbox, acks, groups))
     while d.has_unfinished() or not inbox.empty():
         decode_tick(d, job, inbox, acks, groups)
-    return {"prefill": prefill, "decode": decode_report(d, groups, len(job.prompts), job.n)}
+    return {"prefill": prefill, "decode": decode_report(d, groups, len(job.prompts), job.n),
+            "engines": (p, d)}
 
 
 # -- two processes -------------------------------------------------------------------------------
