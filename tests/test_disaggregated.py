@@ -195,3 +195,15 @@ def test_what_cannot_run_disaggregated_is_refused_before_any_process(extra):
     options = {"cache": "paged", "disaggregated": True, **extra}
     with pytest.raises(RequestError, match="disaggregated=True runs on cache='paged'"):
         generate(tiny_model(), prompts([5]), 2, **options)
+
+
+def test_a_killed_decode_engine_ends_the_call_with_an_error():
+    """SIGKILL the decode engine as the two start: one error naming it, no process left (the
+    prefill engine is stopped with it; on its own it would free its held blocks at the
+    timeout, as the test without a decode side shows)."""
+    sent = kill_rank_once_met(1, 0.3)
+    with pytest.raises(DisaggregationError, match=r"the decode engine died \(killed by SIGKILL"):
+        generate(tiny_model(dtype=torch.float32), prompts([100] * 8), 100, cache="paged",
+                 stop_tokens=[], disaggregated=True)
+    assert sent and time.monotonic() - sent[0] < 5.0
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("minipaged")]
