@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import MiniPagedError, TensorParallelError
+from .errors import MiniPagedError, RequestError, TensorParallelError
 from .generation import row_generator
 from .ranks import run_ranks
 from .sizing import pool_blocks
@@ -55,6 +55,10 @@ class TransferStats:
 def remap(remote_table, local_table, first: int, end: int) -> list[tuple[int, int]]:
     """The move of one layer as (remote block id, local block id) pairs: logical blocks
     first..end-1 of the request, on each side's own table (blocks before `first` are skipped)."""
+    if not 0 <= first <= end <= min(len(remote_table), len(local_table)):
+        raise RequestError(f"remap needs 0 <= first <= end <= the length of both tables, not "
+                           f"first={first}, end={end} with tables of {len(remote_table)} and "
+                           f"{len(local_table)} blocks")
     return [(remote_table[j], local_table[j]) for j in range(first, end)]
 
 

@@ -108,6 +108,9 @@ def test_the_decode_side_holds_the_prefill_sides_kv_after_the_move():
 def test_remap_pairs_each_sides_own_ids_after_the_skipped_blocks():
     assert remap([7, 3, 9, 4], [0, 5, 2, 8], 1, 3) == [(3, 5), (9, 2)]
     assert remap([7, 3], [1, 2], 2, 2) == []
+    for first, end, local in [(-1, 1, [1, 2]), (2, 1, [1, 2]), (0, 2, [1])]:
+        with pytest.raises(RequestError, match="0 <= first <= end"):
+            remap([7, 3], local, first, end)
 
 
 def test_a_failed_transfer_is_recomputed():
