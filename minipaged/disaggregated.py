@@ -52,6 +52,21 @@ class TransferStats:
         return self.seconds / max(1, self.blocks_sent)
 
 
+@dataclass
+class Move:
+    """One layer's move of one request, as recorded for drawings: both tables, the range."""
+    key: int
+    layer: int
+    remote: list        # the prefill side's block ids, logical block j at j
+    local: list         # the decode side's
+    first: int          # blocks before it were skipped: the decode side held them
+    end: int            # blocks from it on are computed on the decode side
+
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        return remap(self.remote, self.local, self.first, self.end)
+
+
 def remap(remote_table, local_table, first: int, end: int) -> list[tuple[int, int]]:
     """The move of one layer as (remote block id, local block id) pairs: logical blocks
     first..end-1 of the request, on each side's own table (blocks before `first` are skipped)."""
@@ -125,7 +140,7 @@ class DecodeConnector:
     def __init__(self, engine, remote, fail_loads=(), record: bool = False):
         self.engine, self.remote = engine, remote
         self.stats = TransferStats()
-        self.moves = [] if record else None       # (key, layer, pairs) of every copy, to draw
+        self.moves = [] if record else None       # every layer's Move of every request, to draw
         self.fail_loads = set(fail_loads)         # keys whose load breaks after layer 0 (tests)
 
     def get_num_new_matched_tokens(self, prompt) -> tuple[int, int]:
@@ -155,7 +170,8 @@ class DecodeConnector:
                 pairs = remap(remote_ids[layer], m.blocks_of(row), have, end)
                 self.wait_for_layer_load(layer, pairs)
                 if self.moves is not None:
-                    self.moves.append((key, layer, pairs))
+                    self.moves.append(Move(key, layer, list(remote_ids[layer]),
+                                           m.blocks_of(row), have, end))
                 if key in self.fail_loads:
                     raise OSError(f"injected failure loading request {key}")
             cache.name_blocks(row, prompt[:end * cache.block_size])

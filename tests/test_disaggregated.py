@@ -86,7 +86,7 @@ def test_one_engines_tokens_and_clean_pools(case):
     if case == "chunked prefill":
         assert prefill.stats.max_step_tokens <= 8
     moves = decode.connector.moves
-    assert moves and any(r != loc for _, _, pairs in moves for r, loc in pairs)   # other ids
+    assert moves and any(r != loc for mv in moves for r, loc in mv.pairs)   # other ids
     assert report["decode"]["transfer"].blocks_skipped >= 2 * (len(ps) - 1)       # the shared two
 
 
@@ -97,10 +97,10 @@ def test_the_decode_side_holds_the_prefill_sides_kv_after_the_move():
     report = serve_in_one_process(model, job(prompts([26]), 1), record=True)
     prefill, decode = report["engines"]
     assert len(decode.connector.moves) == 2                 # one per layer, 6 blocks each
-    for key, layer, pairs in decode.connector.moves:
-        assert len(pairs) == 6
-        mine, theirs = decode.cache.managers[layer], prefill.cache.managers[layer]
-        for r, loc in pairs:
+    for mv in decode.connector.moves:
+        assert len(mv.pairs) == 6
+        mine, theirs = decode.cache.managers[mv.layer], prefill.cache.managers[mv.layer]
+        for r, loc in mv.pairs:
             assert torch.equal(mine.k_cache_paged[loc], theirs.k_cache_paged[r])
             assert torch.equal(mine.v_cache_paged[loc], theirs.v_cache_paged[r])
 

@@ -63,7 +63,8 @@ def disaggregated_tokens_and_moved_kv():
     job = Job(prompts, [4, 4], 0.0, 1.0, [], 0, 1, dict(block_size=4, max_seq_len=96))
     report = serve_in_one_process(model, job, record=True)
     prefill, decode = report["engines"]
-    key, layer, pairs = decode.connector.moves[-1]     # the last move: nothing reused it since
+    move = decode.connector.moves[-1]                  # the last move: nothing reused it since
+    key, layer, pairs = move.key, move.layer, move.pairs
     mine, theirs = decode.cache.managers[layer], prefill.cache.managers[layer]
     for r, loc in pairs:
         expect(torch.equal(mine.k_cache_paged[loc], theirs.k_cache_paged[r]),
