@@ -22,6 +22,7 @@ from .errors import RequestError
 from .generation import generate_static, row_generator
 from .kv_budget import bytes_per_block
 from .sizing import pool_blocks
+from .disaggregated import Job, serve_disaggregated
 from .speculative import SpeculativeEngine
 from .ranks import run_ranks
 from .tensor_parallel import LockstepEngine, check_world_size, load_shard, rank_state_dict
@@ -38,7 +39,7 @@ PAGED_OPTIONS = ("block_size", "num_blocks", "kv_budget", "preemption", "num_cpu
 def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: float = 0.0,
              top_p: float = 1.0, stop_tokens=None, seed: int = 0, max_seq_len: int | None = None,
              callback=None, n: int = 1, engine_class=None, tensor_parallel: int = 1,
-             **paged_options):
+             disaggregated: bool = False, **paged_options):
     """Continue each prompt (a list of token ids); return only the new tokens, in prompt order.
 
     max_new_tokens: one int, or one per prompt. temperature=0 is greedy; sampling is seeded, and
@@ -67,6 +68,10 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
 
     tensor_parallel=N (stage 9) serves cache="paged" on N processes, each holding 1/N of every
     layer's heads and of their KV blocks (a kv_budget is then each process's); the same tokens.
+
+    disaggregated=True (stage 9b) prefills on one engine and decodes on another, in two
+    processes, moving each prompt's KV blocks between them (the options size each engine's
+    pool; max_num_batched_tokens chunks the prefills); the same tokens.
     """
     if not whole(n) or n < 1:
         raise RequestError(f"n (samples per prompt) must be a positive integer, not {n!r}")
@@ -77,7 +82,11 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
     check_arguments(model, prompts, max_new_tokens, cache, temperature, top_p, stop_tokens, seed,
                     callback, n)
     num_prompts = len(prompts) if isinstance(prompts, (list, tuple)) else 0
-    if tensor_parallel != 1:
+    if disaggregated is not False:
+        out = _serve_disaggregated(model, cache, engine_class, tensor_parallel, disaggregated,
+                                   prompts, max_new_tokens, temperature, top_p, stop_tokens,
+                                   seed, max_seq_len, callback, n, paged_options)
+    elif tensor_parallel != 1:
         out = _serve_parallel(tensor_parallel, model, cache, engine_class, prompts,
                               max_new_tokens, temperature, top_p, stop_tokens, seed, max_seq_len,
                               callback, n, paged_options)
@@ -135,6 +144,24 @@ def _serve_parallel(world_size, model, cache, engine_class, *request) -> list:
     device = next(model.parameters()).device
     outs = run_ranks(_serve_rank, world_size, (model.args, states, request), device=device)
     return outs[0]
+
+
+def _serve_disaggregated(model, cache, engine_class, tensor_parallel, disaggregated, prompts,
+                         max_new_tokens, temperature, top_p, stop_tokens, seed, max_seq_len,
+                         callback, n, options) -> list:
+    """disaggregated=True: refused before any process starts unless it can run (the paged
+    cache, the stages' engine, one process per engine, no callback across processes)."""
+    if disaggregated is not True or cache != "paged" or engine_class is not None or \
+            tensor_parallel != 1 or callback is not None:
+        raise RequestError("disaggregated=True runs on cache='paged', with the stages' own engine "
+                           "(no engine_class), no tensor_parallel and no callback (a callback "
+                           "cannot reach into the engines' processes)")
+    max_seq_len = max_seq_len or model.args.max_seq_len
+    limits = check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_len)
+    stop = list(model.args.stop_tokens if stop_tokens is None else stop_tokens)
+    job = Job(list(map(list, prompts)), limits, temperature, top_p, stop, seed, n,
+              dict(options, max_seq_len=max_seq_len))
+    return serve_disaggregated(model, job)["decode"]["outputs"]
 
 
 def _serve_rank(rank, world_size, device, args, states, request) -> list:

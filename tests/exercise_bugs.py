@@ -215,6 +215,22 @@ def _shared_writes(self, rows, n):
             self.refs[b] -= 1
     return cow
 """, "but the tables hold each block"),
+    "remap pairs from the start, not after the skipped blocks": ("9b.remap", """
+def remap(remote_table, local_table, first, end):
+    if not 0 <= first <= end <= min(len(remote_table), len(local_table)):
+        raise RequestError("bad range")
+    return [(remote_table[j], local_table[j - first]) for j in range(first, end)]
+""", "block j's pair is"),
+    "remap that trusts zip to stop at the shorter table": ("9b.remap", """
+def remap(remote_table, local_table, first, end):
+    return list(zip(remote_table[first:end], local_table[first:end]))
+""", "must raise RequestError"),
+    "remap that sends local ids as remote": ("9b.remap", """
+def remap(remote_table, local_table, first, end):
+    if not 0 <= first <= end <= min(len(remote_table), len(local_table)):
+        raise RequestError("bad range")
+    return [(local_table[j], remote_table[j]) for j in range(first, end)]
+""", "block j's pair is"),
 }
 
 # Correct solutions shaped differently from the reference: the grader must pass every one.
@@ -514,5 +530,11 @@ def walk_blocks(rows, last_key, k_cache, v_cache, table_row, kv_head, n, blocks,
         if trace is not None:
             trace.append(Step(*who, j, block, scores, m, l))
     return m, l, acc
+"""),
+    "remap with zip over the slices": ("9b.remap", """
+def remap(remote_table, local_table, first, end):
+    if first < 0 or end < first or end > len(remote_table) or end > len(local_table):
+        raise RequestError(f"remap: first={first}, end={end} do not fit both tables")
+    return list(zip(remote_table[first:end], local_table[first:end]))
 """),
 }

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from . import checks as c
 
-STAGES = ("1", "2", "3", "3b", "4", "5", "5b", "6", "6b", "7")
+STAGES = ("1", "2", "3", "3b", "4", "5", "5b", "6", "6b", "7", "9b")
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,11 @@ TASKS = (
          "ceil(num_tokens / block_size)",
          "lessons/07-speculative-decoding.md, section Roll back",
          (c.rollback_keeps_the_allocator_whole, c.speculative_greedy_tokens)),
+    Task("9b.remap", "9b", "stage9b_disaggregated.py", "minipaged.disaggregated.remap",
+         "pair the prefill side's block ids with the decode side's, logical block by block, "
+         "after the skipped ones",
+         "lessons/09b-disaggregation.md, section The remap",
+         (c.remap_pairs_the_same_logical_blocks, c.disaggregated_tokens_and_moved_kv)),
 )
 
 BY_ID = {t.id: t for t in TASKS}
