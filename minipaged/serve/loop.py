@@ -162,8 +162,8 @@ class EngineLoop:
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> None:
-        """Jobs, then one engine step, then each request's new tokens out; until stopped. If
-        anything outside a step raises, the loop stops and fails every waiting request."""
+        """The thread's body: the loop, until stopped. If anything outside a step raises (a
+        step's own errors are its requests'), the loop stops and fails every waiting request."""
         try:
             self._serve()
         except Exception as e:
@@ -173,6 +173,7 @@ class EngineLoop:
                       f"server")
 
     def _serve(self) -> None:
+        """Jobs, then one engine step, then each request's new tokens out; until stopped."""
         while True:
             with self.lock:
                 while not (self.inbox or self.stopping or self.engine.has_unfinished()):
