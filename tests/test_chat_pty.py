@@ -46,6 +46,7 @@ def test_two_turns_and_the_blocks_they_hold():
     assert "paged: 128 blocks of 16 tokens" in chat.banner
     first = chat.say("what is a block table?")
     assert "model>" in first and "block" in first.lower()
+    assert "note: reply cut at 20 new tokens (--max-new-tokens)" in " ".join(first.split())
     n1, h1 = map(int, re.search(r"prefill (\d+) new tokens of (\d+)", first).groups())
     assert n1 == h1                                   # the first turn: all of it is new
     second = chat.say("what is paged attention?")

@@ -178,3 +178,21 @@ def test_a_reply_cut_short_by_a_full_pool_is_said_on_stderr_and_exits_1():
     assert prompt["stdout"] == piped["stdout"]
     assert then_refused["code"] == 2 and len(then_refused["stderr"].splitlines()) == 2
     answered(roomy)
+
+
+def test_a_reply_cut_at_max_new_tokens_ends_with_a_note_naming_the_flag():
+    """A reply that reaches --max-new-tokens before the model ends its turn: printed, then one
+    `note: ...` line on stderr naming the flag; exit status 0. A reply that ends by itself
+    (the embedded model's greeting is ~30 tokens) has no note."""
+    cut, piped, whole = run_many("minipaged.chat", [
+        (["--max-new-tokens", "10", "--prompt", "what is a block table?"], None),
+        (["--max-new-tokens", "10"], b"what is a block table?\nhi\n"),
+        (["--max-new-tokens", "60", "--prompt", "hi"], None)])
+    for r, cuts in ((cut, 1), (piped, 2)):
+        answered(r)
+        notes = r["stderr"].splitlines()
+        assert len(notes) == cuts and all(n.startswith("note: reply cut at 10 new tokens") and
+                                          "--max-new-tokens" in n for n in notes), r
+        assert len(replies(r)) == cuts                          # the notes are not in stdout
+    answered(whole)
+    assert replies(whole) and not whole["stderr"].strip(), whole

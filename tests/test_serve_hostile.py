@@ -143,6 +143,48 @@ def test_a_stream_whose_step_raises_gets_an_error_event(server):
     assert wait_idle(server)["minipaged_kv_blocks_used"] == 0
 
 
+def test_a_loop_that_raises_outside_a_step_fails_every_waiting_request_and_answers_503():
+    """`_deliver` raises once two requests (one whole, one streamed) are in the engine: both
+    get the error at once, /health and every later request answer 503 at once, and the
+    server still stops. (Before, the loop's thread died and every request waited for ever.)"""
+    srv = start(num_blocks=64, max_num_seqs=4)
+    loop, deliver = srv.loop, srv.loop._deliver
+
+    def breaks():
+        if len(loop.tickets) >= 2:
+            raise RuntimeError("planted in the test")
+        deliver()
+    loop._deliver = breaks
+    body = {**GREEDY, "max_tokens": 400, "ignore_eos": True}
+    try:
+        out = {}
+
+        def whole():
+            out["whole"] = post(srv, body, timeout=15)
+        t = threading.Thread(target=whole)
+        t.start()
+        while not loop.tickets:
+            time.sleep(0.01)
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=15,
+                          json={**body, "stream": True}) as s:
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        t.join(15)
+        r = out["whole"]
+        assert r.status_code == 500 and "planted in the test" in r.json()["error"]["message"]
+        assert events[-1] == "[DONE]", events
+        err = json.loads(events[-2])["error"]
+        assert err["type"] == "server_error" and "planted in the test" in err["message"]
+        health = httpx.get(srv.url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_stopped"
+        started = time.time()
+        late = post(srv, GREEDY, timeout=5)
+        assert late.status_code == 503 and time.time() - started < 5
+        assert late.json()["error"]["code"] == "engine_stopped"
+        assert "planted in the test" in late.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
 # -- the event loop never waits for the engine -----------------------------------------------------
 def test_metrics_and_models_answer_while_a_step_is_held(server):
     wait_idle(server)

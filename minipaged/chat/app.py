@@ -18,7 +18,9 @@ refused with a sentence and changes nothing, a /command that cannot do what it i
 why. Piped, each line that cannot be answered gets one `error: ...` line on stderr and the next
 line is read (the exit status is then 2); a reply cut short by a full KV pool is printed as far
 as it went, with one `error: reply cut short: ...` line on stderr (the exit status is then 1,
-unless a line was refused). `--prompt` does the same for its one message.
+unless a line was refused). A reply that reaches --max-new-tokens before the model ends its
+turn is followed by a `note: ...` line that says so and which flag raises the limit (on stderr
+when piped; the exit status is unchanged). `--prompt` does the same for its one message.
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ HELP = ("commands: /blocks \\[layer] draws the KV pool, /stats where the memory 
         "/status toggles the line after each reply, /reset starts over, /quit leaves (Ctrl-D)")
 CHAT_CONTEXT = 4096   # tokens a conversation may hold (Llama 3.1 allows 131,072: ~16 GiB per
                       # conversation of an 8B model's fp16 KV, more than a laptop has)
+
+
+def cut_notice(max_new_tokens: int) -> str:
+    """What a reply that stopped at the --max-new-tokens limit is followed by."""
+    return (f"reply cut at {max_new_tokens} new tokens (--max-new-tokens); start the chat with "
+            f"a larger --max-new-tokens, e.g. {2 * max_new_tokens}, for longer replies")
 
 
 def make_chat_cache(model, kind="paged", block_size=16, kv_budget=None, max_seqs=1,
@@ -197,6 +205,8 @@ def interactive(conv, console, status=True):
             console.print(f"\n[bold red]error:[/] {escape(str(e))}")
             continue
         console.print()
+        if info["cut"]:
+            console.print(f"[yellow]note:[/] {cut_notice(conv.max_new_tokens)}", highlight=False)
         if info["pool_full"]:
             console.print(f"[bold yellow]reply cut short, pool full:[/] "
                           f"{escape(info['pool_full'])}")
@@ -209,10 +219,13 @@ CUT_SHORT_STATUS = 1    # a piped or --prompt reply stopped by a full pool: said
 
 def answer(conv, text) -> bool:
     """Print the reply to one message; a reply cut short by a full KV pool is printed as far as
-    it went and said on stderr (one `error: ...` line, as the interactive chat says it).
+    it went and said on stderr (one `error: ...` line, as the interactive chat says it), one
+    cut at --max-new-tokens is followed by a `note: ...` line there.
     Returns False if the reply was cut short."""
     info = conv.reply(text)
     print(info["text"], flush=True)
+    if info["cut"]:
+        print(f"note: {cut_notice(conv.max_new_tokens)}", file=sys.stderr, flush=True)
     if info["pool_full"]:
         print(cli.error_line(f"reply cut short: {info['pool_full']}"), file=sys.stderr,
               flush=True)

@@ -128,7 +128,8 @@ class Conversation:
         the pool would keep the graph that computed it alive, turn after turn.
 
         Returns what the turn did: the reply, how many tokens the prefill processed, whether
-        the history was dropped and rebuilt, and `pool_full` if blocks ran out mid-reply.
+        the history was dropped and rebuilt, `pool_full` if blocks ran out mid-reply, and
+        `cut` if the reply stopped at max_new_tokens rather than at an end-of-turn token.
         Raises RequestError (a message too long for the context) or OutOfBlocksError (the pool
         cannot hold it) before anything changes.
         """
@@ -166,7 +167,8 @@ class Conversation:
                 "prefill_tokens": len(feed) - skipped, "cached_tokens": skipped,
                 "history_tokens": len(history) + len(user),
                 "new_tokens": len(answer), "seconds": seconds, "dropped": dropped,
-                "rebuilt": rebuilt, "pool_full": pool_full}
+                "rebuilt": rebuilt, "pool_full": pool_full,
+                "cut": len(answer) == self.max_new_tokens}
 
     def _exchanges_to_drop(self, n_user: int) -> int:
         """How many of the oldest exchanges must go for the history, the message and a full

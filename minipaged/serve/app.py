@@ -199,8 +199,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str,
                 ids, opts["max_tokens"], opts["temperature"], opts["top_p"], opts["n"],
                 opts["seed"], stop_tokens, opts["logprobs"]))
         except QueueFullError as e:
-            raise APIError(str(e), code="queue_full", status=503, kind="server_overloaded") \
-                from None
+            raise APIError(str(e), code=e.code, status=503, kind=e.kind) from None
         except RequestError as e:
             raise APIError(str(e), param=_param_of(str(e)), code="invalid_value") from None
         watcher = asyncio.create_task(hang_up(request, ticket))

@@ -7,7 +7,9 @@ runs the jobs at the next step boundary, steps the engine once, and posts each r
 tokens back to the handler's asyncio queue. So the engine stays what stage 5 made it — a
 single-threaded `step()` — and a request that arrives while a step runs simply joins the next
 one. A step that raises fails the requests it ran (their clients get the error) and the loop
-goes on; a request leaves the engine once its last token is delivered.
+goes on; a request leaves the engine once its last token is delivered. If the loop itself
+raises, outside a step, it stops: every request waiting on it ends with the error, and from
+then on /health and every new request answer 503.
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ log = logging.getLogger("minipaged.serve")
 
 class QueueFullError(MiniPagedError):
     """The waiting queue is at its bound: the server answers 503 instead of queueing more."""
+    code, kind = "queue_full", "server_overloaded"     # the 503's OpenAI error fields
+
+
+class EngineStoppedError(QueueFullError):
+    """The loop has stopped (a shutdown, or an error outside a step) and takes no more work:
+    the server answers 503 too."""
+    code, kind = "engine_stopped", "server_error"
 
 
 @dataclass(eq=False)
@@ -59,6 +68,8 @@ class EngineLoop:
         self.inbox: list = []                 # jobs for the next step boundary
         self.tickets: list[Ticket] = []       # requests with samples still in the engine
         self.stopping = False
+        self.died: str | None = None          # why the loop stopped by itself, if it did
+        self.current_jobs: list = []          # the jobs taken from the inbox, not yet run
         self.refused = 0                      # requests answered 503 (queue full)
         self.aborted_ids: set[int] = set()    # req_ids ended by an abort
         self.aborted = 0                      # samples ended early (client gone, stop string)
@@ -136,7 +147,7 @@ class EngineLoop:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self.lock:
             if self.stopping:
-                fut.set_exception(QueueFullError("the server is shutting down"))
+                fut.set_exception(self._stopped_error())
             else:
                 self.inbox.append((job, fut))
                 self.lock.notify()
@@ -151,6 +162,17 @@ class EngineLoop:
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> None:
+        """The thread's body: the loop, until stopped. If anything outside a step raises (a
+        step's own errors are its requests'), the loop stops and fails every waiting request."""
+        try:
+            self._serve()
+        except Exception as e:
+            log.exception("the engine loop failed outside a step; it stops, and every request "
+                          "waiting on it is ended with an error")
+            self._die(f"the server's engine loop failed ({type(e).__name__}: {e}); restart the "
+                      f"server")
+
+    def _serve(self) -> None:
         """Jobs, then one engine step, then each request's new tokens out; until stopped."""
         while True:
             with self.lock:
@@ -159,8 +181,8 @@ class EngineLoop:
                 if self.stopping:
                     self._abort_all()
                     return
-                jobs, self.inbox = self.inbox, []
-            self._run_jobs(jobs)
+                self.current_jobs, self.inbox = self.inbox, []
+            self._run_jobs(self.current_jobs)
             stepped = self.engine.has_unfinished()
             if stepped:
                 self._step()
@@ -200,7 +222,8 @@ class EngineLoop:
     def _run_jobs(self, jobs) -> None:
         """Run the jobs posted since the last step, each one's change published as it is made
         (so a picture of the pool taken by a job is the state of the last version)."""
-        for job, fut in jobs:
+        while jobs:
+            job, fut = jobs.pop(0)
             try:
                 fut.set_result(job())
             except (MiniPagedError, ValueError, TypeError) as e:
@@ -242,9 +265,34 @@ class EngineLoop:
         self.counters = counters(self.engine, self)
         self.trace.append((self.version, self.counters["used"], self.counters["cached_free"]))
 
+    def _stopped_error(self) -> EngineStoppedError:
+        return EngineStoppedError(self.died or "the server is shutting down")
+
+    def _die(self, why: str) -> None:
+        """The loop cannot go on: take no more work (so /health and new requests answer 503),
+        refuse the jobs not run, and end each waiting sample with finish_reason "error" (its
+        client gets `why`). The engine is left as it is: nothing will step it again."""
+        with self.lock:
+            self.died, self.stopping = why, True
+            jobs, self.inbox, self.current_jobs = self.current_jobs + self.inbox, [], []
+        for job, fut in jobs:
+            if not fut.done():
+                fut.set_exception(self._stopped_error())
+        for t in self.tickets:
+            t.error = why
+            for i, done in enumerate(t.done):
+                if not done:
+                    t.done[i] = True
+                    self.failed += 1
+                    try:
+                        t.aio.call_soon_threadsafe(t.queue.put_nowait, (i, [], "error", None))
+                    except RuntimeError:      # its event loop has closed (shutdown)
+                        pass
+        self.tickets = []
+
     def _abort_all(self) -> None:
         for job, fut in self.inbox:
-            fut.set_exception(QueueFullError("the server is shutting down"))
+            fut.set_exception(self._stopped_error())
         self.inbox = []
         for t in self.tickets:
             for r in t.samples:
