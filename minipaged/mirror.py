@@ -80,6 +80,9 @@ class Mirrored:
                 time.sleep(1.0)
                 self._followers.check()
                 raise
+            except KeyboardInterrupt:     # rank 0 stopped mid-call, the others did not: they
+                self._followers.close("interrupted in the middle of a call")   # cannot agree
+                raise
         return call
 
     def __setattr__(self, name, value):

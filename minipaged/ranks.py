@@ -211,10 +211,13 @@ class Followers:
 
     def __init__(self, procs, inboxes, results, folder, timeout):
         self.procs, self.inboxes, self.results = procs, inboxes, results
-        self.folder, self.timeout, self.closed = folder, timeout, False
+        self.folder, self.timeout, self.closed = folder, timeout, None
 
     def check(self) -> None:
         n = len(self.procs) + 1
+        if self.closed:
+            raise TensorParallelError(f"tensor parallel: the other {n - 1} rank(s) were stopped "
+                                      f"({self.closed}); restart the program")
         try:
             kind, rank, *rest = self.results.get_nowait()     # a follower reports only a failure
             raise TensorParallelError(f"tensor parallel: rank {rank} of {n} {kind}: {rest[-1]}; "
@@ -233,10 +236,10 @@ class Followers:
         for box in self.inboxes:
             box.put(message)
 
-    def close(self) -> None:
+    def close(self, why: str = "closed") -> None:
         if self.closed:
             return
-        self.closed = True
+        self.closed = why
         for box in self.inboxes:
             box.put(None)                       # "stop": a follower returns from its loop
         deadline = time.monotonic() + 5.0

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from cli_probes import answered, refused, run_many
+from cli_probes import answered, interrupt, refused, run_many
 
 from minipaged import generate, load_model, load_tokenizer
 from minipaged.errors import UsageError
@@ -104,6 +104,19 @@ def test_server_on_two_ranks_answers_as_one_process_and_stops_them_all():
     finally:
         p.kill()
         p.wait()
+    end = time.time() + 5
+    while marked_processes(mark) and time.time() < end:
+        time.sleep(0.1)
+    assert marked_processes(mark) == []
+
+
+def test_ctrl_c_mid_reply_on_two_ranks_exits_130_and_leaves_none_behind():
+    mark = f"minipaged-test-{uuid.uuid4()}"
+    code, out, err = interrupt(["-m", "minipaged.chat", "--max-new-tokens", "1900",
+                                "--tensor-parallel", "2"], ready=lambda out: "\n" in out,
+                               stdin=b"what is a block table?\n" * 40, TP_TEST_MARK=mark)
+    assert code == 130 and "Traceback" not in err, (code, err)
+    assert out.strip()                                          # it was answering
     end = time.time() + 5
     while marked_processes(mark) and time.time() < end:
         time.sleep(0.1)
