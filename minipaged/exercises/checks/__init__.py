@@ -7,7 +7,7 @@ so a run is quick and repeatable); a failing input is shrunk and shown. Token ch
 tiny random Llama 3 built in `common.py` (no file is read) and compare exact greedy tokens.
 """
 
-from . import common, stage1, stage2, stage3, stage4, stage5, stage6, stage7  # noqa: F401
+from . import common, stage1, stage2, stage3, stage4, stage5, stage6, stage7, stage9  # noqa: F401
 from .stage1 import (  # noqa: F401
     contiguous_cache_tokens, contiguous_attend_matches_dense)
 from .stage2 import (  # noqa: F401
@@ -26,3 +26,5 @@ from .stage6 import (  # noqa: F401
 from .stage7 import (  # noqa: F401
     ngram_propose_matches_brute_force, speculative_greedy_tokens,
     rollback_keeps_the_allocator_whole)
+from .stage9 import (  # noqa: F401
+    rank_weights_are_its_heads_and_features, worker_tables_follow_the_scheduler)
