@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import signal
 import time
 import types
 
@@ -112,7 +113,9 @@ def start_mirrored(model, world_size: int, build, build_args=(), calls=()) -> Mi
 def _follow(rank, world_size, device, inbox, args, state, build, build_args) -> None:
     """Ranks 1..N-1: build the object on this rank's shard, then make each call rank 0 sends,
     until it sends None. A refusal (MiniPagedError) is rank 0's too, and changed nothing there:
-    the follower goes on."""
+    the follower goes on. Ctrl-C at the terminal reaches every rank; only rank 0 acts on it (a
+    server drains its answers first), and it ends the others."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     obj = build(load_shard(args, rank, world_size, state, device), *build_args)
     while (message := inbox.get()) is not None:
         name, payload = message

@@ -68,7 +68,7 @@ def test_a_bad_number_of_ranks_starts_no_process(monkeypatch):
         serve_server.build(num_blocks=32, tensor_parallel=3)
 
 
-def test_server_on_two_ranks_answers_as_one_process_and_stops_them_all():
+def test_server_on_two_ranks_answers_as_one_process_and_ctrl_c_stops_them_all():
     model, tok = load_model(dtype=torch.float32), load_tokenizer()
     ids = tok.encode("Paging is", bos=True)
     greedy = generate(model, [ids], 12, cache="paged", stop_tokens=[])[0]
@@ -81,7 +81,8 @@ def test_server_on_two_ranks_answers_as_one_process_and_stops_them_all():
     p = subprocess.Popen([sys.executable, "-m", "minipaged.serve", "--port", str(port),
                           "--num-blocks", "32", "--drain-seconds", "1", "--tensor-parallel", "2"],
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT),
-                                        "TP_TEST_MARK": mark}, stderr=subprocess.PIPE, text=True)
+                                        "TP_TEST_MARK": mark}, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
     try:
         url, end = f"http://127.0.0.1:{port}/v1/completions", time.time() + 60
         while True:
@@ -99,8 +100,17 @@ def test_server_on_two_ranks_answers_as_one_process_and_stops_them_all():
                                     "n": 2}, timeout=60).json()
         got = [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
         assert got == [tok.decode(t) for t in samples] and got[0] != got[1], out
-        p.send_signal(signal.SIGTERM)
+        lines = []                   # Ctrl-C at the terminal (every rank gets SIGINT) mid-stream:
+        with httpx.stream("POST", url, json={**body, "max_tokens": 400, "temperature": 1.0,
+                                             "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if not lines:
+                    os.killpg(p.pid, signal.SIGINT)
+                lines.append(line)
         assert p.wait(30) == 0
+        lines = [x for x in lines if x]
+        assert lines[-1] == "data: [DONE]" and not any('"error"' in x for x in lines), lines[-3:]
+        assert len(lines) > 3                                   # it was answering
     finally:
         p.kill()
         p.wait()
