@@ -21,7 +21,7 @@ import signal
 import time
 import types
 
-from .errors import MiniPagedError
+from .errors import MiniPagedError, TensorParallelError
 from .ranks import start_followers
 from .tensor_parallel import check_world_size, load_shard, rank_state_dict
 
@@ -65,8 +65,9 @@ class Mirrored:
     """Rank 0's object: a call named in `calls` goes to every other rank, then runs here;
     anything else (attributes, other methods) is rank 0's object's own."""
 
-    def __init__(self, obj, followers, calls):
-        self.__dict__.update(_obj=obj, _followers=followers, _calls=frozenset(calls))
+    def __init__(self, obj, followers, calls, cleanup=()):
+        self.__dict__.update(_obj=obj, _followers=followers, _calls=frozenset(calls),
+                             _cleanup=frozenset(cleanup))
 
     def __getattr__(self, name):
         value = getattr(self._obj, name)
@@ -74,7 +75,11 @@ class Mirrored:
             return value
 
         def call(*args, **kwargs):
-            self._followers.send(_message(self._obj, name, args, kwargs))
+            try:
+                self._followers.send(_message(self._obj, name, args, kwargs))
+            except TensorParallelError:
+                if name not in self._cleanup:   # giving back needs no other rank: rank 0 alone
+                    raise
             try:
                 return value(*args, **kwargs)
             except RuntimeError:          # a collective broke: name the rank that broke it
@@ -94,9 +99,12 @@ class Mirrored:
         self._followers.close()
 
 
-def start_mirrored(model, world_size: int, build, build_args=(), calls=()) -> Mirrored:
+def start_mirrored(model, world_size: int, build, build_args=(), calls=(), cleanup=()
+                   ) -> Mirrored:
     """Split `model` over `world_size` ranks (refused before any process starts unless N splits
-    its heads), build the object on each rank's shard, and return rank 0's, mirrored."""
+    its heads), build the object on each rank's shard, and return rank 0's, mirrored. Once a
+    rank has died, a call raises TensorParallelError naming it, except the calls of `cleanup`
+    (those that only give things back), which then run on rank 0 alone."""
     check_world_size(model.args, world_size)
     device = next(model.parameters()).device
     states = [rank_state_dict(model, r, world_size) for r in range(world_size)]
@@ -104,7 +112,7 @@ def start_mirrored(model, world_size: int, build, build_args=(), calls=()) -> Mi
                                                       for r in range(1, world_size)], device)
     try:
         shard = load_shard(model.args, 0, world_size, states[0], device)
-        return Mirrored(build(shard, *build_args), followers, calls)
+        return Mirrored(build(shard, *build_args), followers, calls, cleanup)
     except BaseException:
         followers.close()
         raise

@@ -131,3 +131,18 @@ def test_ctrl_c_mid_reply_on_two_ranks_exits_130_and_leaves_none_behind():
     while marked_processes(mark) and time.time() < end:
         time.sleep(0.1)
     assert marked_processes(mark) == []
+
+
+def test_a_server_whose_rank_died_names_it_on_every_request_and_still_stops():
+    srv = serve_server.start(num_blocks=32, tensor_parallel=2)
+    try:
+        os.kill(srv.engine._followers.procs[0].pid, signal.SIGKILL)
+        time.sleep(0.5)
+        body = {"model": "embedded", "prompt": "Paging is", "max_tokens": 8, "temperature": 0}
+        for _ in range(2):          # the loop goes on: the second request is answered too
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=20)
+            assert r.status_code == 500 and "rank 1 of 2 died (killed by SIGKILL)" in r.text
+    finally:
+        start = time.time()
+        srv.stop()
+        assert time.time() - start < 10

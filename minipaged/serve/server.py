@@ -48,7 +48,8 @@ def build(model=None, dtype=torch.float32, block_size: int = 16, num_blocks=None
         engine = Engine(llama, num_blocks, block_size, preemption, **options)
     else:
         engine = start_mirrored(llama, tensor_parallel, rank_engine,
-                                (num_blocks, block_size, preemption, options), calls=ENGINE_CALLS)
+                                (num_blocks, block_size, preemption, options), calls=ENGINE_CALLS,
+                                cleanup=("abort", "release"))
     loop = EngineLoop(engine, max_waiting=max_waiting)
     name = model or "embedded"
     return loop, create_app(loop, tokenizer, name, max_body_bytes), tokenizer, llama
