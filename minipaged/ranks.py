@@ -200,3 +200,89 @@ def _end(procs) -> None:
             if p.is_alive():                  # SIGTERM waits while a process is stopped
                 p.kill()
                 p.join()
+
+
+# -- the caller as rank 0, for a program that runs on (the chat, the server) ---------------------
+class Followers:
+    """Ranks 1..N-1 of a group whose rank 0 is the caller's own process (`start_followers`).
+    `send(message)` puts one message in every follower's inbox; `check()` raises one
+    TensorParallelError naming a follower that died; `close()` ends them all and leaves the
+    group. No follower outlives `close()`, nor the caller."""
+
+    def __init__(self, procs, inboxes, results, folder, timeout):
+        self.procs, self.inboxes, self.results = procs, inboxes, results
+        self.folder, self.timeout, self.closed = folder, timeout, None
+
+    def check(self) -> None:
+        n = len(self.procs) + 1
+        if self.closed:
+            raise TensorParallelError(f"tensor parallel: the other {n - 1} rank(s) were stopped "
+                                      f"({self.closed}); restart the program")
+        try:
+            kind, rank, *rest = self.results.get_nowait()     # a follower reports only a failure
+            raise TensorParallelError(f"tensor parallel: rank {rank} of {n} {kind}: {rest[-1]}; "
+                                      f"restart the program")
+        except queue.Empty:
+            pass
+        for r, p in enumerate(self.procs, start=1):
+            if p.exitcode is not None:
+                how = (f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0
+                       else f"exited with status {p.exitcode}")
+                raise TensorParallelError(f"tensor parallel: rank {r} of {n} died ({how}); "
+                                          f"restart the program")
+
+    def send(self, message) -> None:
+        self.check()
+        for box in self.inboxes:
+            box.put(message)
+
+    def close(self, why: str = "closed") -> None:
+        if self.closed:
+            return
+        self.closed = why
+        for box in self.inboxes:
+            box.put(None)                       # "stop": a follower returns from its loop
+        deadline = time.monotonic() + 5.0
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        _end(self.procs)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def start_followers(fn, world_size: int, rank_args, device="cpu", timeout: float | None = None,
+                    threads: int | None = None) -> Followers:
+    """Start ranks 1..N-1, each running fn(rank, world_size, device, inbox, *rank_args[rank - 1])
+    (inbox: the queue `Followers.send` fills; None in it means stop), and join the caller's own
+    process to their group as rank 0. For programs that answer one request after another (the
+    chat, the server), where `run_ranks`' one call and its results do not fit."""
+    if dist.is_initialized():
+        raise UsageError("this process is already in a torch.distributed group; tensor "
+                         "parallelism starts its own")
+    device, timeout = torch.device(device), timeout or TIMEOUT
+    backend = backend_for(device, world_size)
+    fn = _importable(fn)
+    threads = threads or max(1, torch.get_num_threads() // world_size)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    inboxes = [ctx.Queue() for _ in range(1, world_size)]
+    folder = tempfile.mkdtemp(prefix="minipaged-tp-")
+    store = os.path.join(folder, "store")
+    procs = [ctx.Process(target=_rank_main, name=f"minipaged-rank{r}", daemon=True,
+                         args=(r, world_size, backend, store, timeout, threads, os.getpid(),
+                               fn, (inboxes[r - 1], *rank_args[r - 1]), results))
+             for r in range(1, world_size)]
+    followers = Followers(procs, inboxes, results, folder, timeout)
+    try:
+        with _main_not_rerun():
+            for p in procs:
+                p.start()
+        if device.type == "cuda":
+            torch.cuda.set_device(torch.device("cuda", 0))
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0,
+                                world_size=world_size, timeout=timedelta(seconds=timeout))
+    except BaseException:
+        followers.close()
+        raise
+    return followers

@@ -184,7 +184,9 @@ def step_changes(before: dict, after: dict) -> dict:
 
 
 def apply_changes(tables: dict, changes: dict) -> dict:
-    """A worker's side: its copy of the tables, after one step's `step_changes`."""
+    """A worker's side: its copy of the tables, after one step's `step_changes` — a new dict
+    without the freed sequences, the appended ids added, the replaced tables whole. Neither
+    `tables` nor `changes` is changed."""
     out = {s: list(b) for s, b in tables.items() if s not in changes["freed"]}
     for s, ids in changes["appended"].items():
         out[s] += ids

@@ -215,6 +215,82 @@ def _shared_writes(self, rows, n):
             self.refs[b] -= 1
     return cow
 """, "but the tables hold each block"),
+    "a rank splits wo and w2 by rows too": ("9.shard", """
+def rank_state_dict(model, rank, world_size):
+    out = {}
+    for name, w in model.state_dict().items():
+        kind = name.split(".")[-2]
+        if kind in COLUMNS + ROWS:                              # every matrix by output features
+            w = w[owned(w.shape[0], rank, world_size)]
+        elif name == "output.weight" and model.args.tie_word_embeddings:
+            continue
+        out[name] = w.detach().to("cpu", copy=True).contiguous()
+    return out
+""", "(columns)"),
+    "a rank takes every N-th row, not a block of heads": ("9.shard", """
+def rank_state_dict(model, rank, world_size):
+    out = {}
+    for name, w in model.state_dict().items():
+        kind = name.split(".")[-2]
+        if kind in COLUMNS:
+            w = w[rank::world_size]
+        elif kind in ROWS:
+            w = w[:, rank::world_size]
+        elif name == "output.weight" and model.args.tie_word_embeddings:
+            continue
+        out[name] = w.detach().to("cpu", copy=True).contiguous()
+    return out
+""", "and other values"),
+    "a rank keeps a tied output layer": ("9.shard", """
+def rank_state_dict(model, rank, world_size):
+    out = {}
+    for name, w in model.state_dict().items():
+        kind = name.split(".")[-2]
+        if kind in COLUMNS:
+            w = w[owned(w.shape[0], rank, world_size)]
+        elif kind in ROWS:
+            w = w[:, owned(w.shape[1], rank, world_size)]
+        out[name] = w.detach().to("cpu", copy=True).contiguous()
+    return out
+""", "should not hold ['output.weight']"),
+    "a rank's weights are views of the model's": ("9.shard", """
+def rank_state_dict(model, rank, world_size):
+    out = {}
+    for name, w in model.state_dict().items():
+        kind = name.split(".")[-2]
+        if kind in COLUMNS:
+            w = w[owned(w.shape[0], rank, world_size)]
+        elif kind in ROWS:
+            w = w[:, owned(w.shape[1], rank, world_size)].contiguous()
+        elif name == "output.weight" and model.args.tie_word_embeddings:
+            continue
+        out[name] = w
+    return out
+""", "shares memory"),
+    "a worker appends to the lists it was given": ("9.apply", """
+def apply_changes(tables, changes):
+    out = {s: b for s, b in tables.items() if s not in changes["freed"]}
+    for s, ids in changes["appended"].items():
+        out[s] += ids
+    out.update(changes["replaced"])
+    return out
+""", "changed the tables it was given"),
+    "a worker keeps the freed sequences": ("9.apply", """
+def apply_changes(tables, changes):
+    out = {s: list(b) for s, b in tables.items()}
+    for s, ids in changes["appended"].items():
+        out[s] += ids
+    out.update({s: list(b) for s, b in changes["replaced"].items()})
+    return out
+""", "the scheduler holds"),
+    "a worker appends a replaced table": ("9.apply", """
+def apply_changes(tables, changes):
+    out = {s: list(b) for s, b in tables.items() if s not in changes["freed"]}
+    for part in ("appended", "replaced"):
+        for s, ids in changes[part].items():
+            out[s] = out.get(s, []) + list(ids)
+    return out
+""", "the scheduler holds"),
     "remap pairs from the start, not after the skipped blocks": ("9b.remap", """
 def remap(remote_table, local_table, first, end):
     if not 0 <= first <= end <= min(len(remote_table), len(local_table)):
@@ -531,6 +607,39 @@ def walk_blocks(rows, last_key, k_cache, v_cache, table_row, kv_head, n, blocks,
             trace.append(Step(*who, j, block, scores, m, l))
     return m, l, acc
 """),
+    "shard by heads, one head at a time": ("9.shard", """
+def rank_state_dict(model, rank, world_size):
+    import torch
+    a, out = model.args, {}
+    for name, w in model.state_dict().items():
+        kind = name.split(".")[-2]
+        if name == "output.weight" and a.tie_word_embeddings:
+            continue
+        if kind in ("wq", "wk", "wv", "wo"):
+            heads = a.n_kv_heads if kind in ("wk", "wv") else a.n_heads
+            per = heads // world_size
+            mine = range(rank * per, rank * per + per)
+            d = a.head_dim
+            parts = [w[h * d:(h + 1) * d] if kind != "wo" else w[:, h * d:(h + 1) * d]
+                     for h in mine]
+            w = torch.cat(parts, dim=0 if kind != "wo" else 1)
+        elif kind in ("w1", "w3"):
+            w = w.chunk(world_size, dim=0)[rank]
+        elif kind == "w2":
+            w = w.chunk(world_size, dim=1)[rank]
+        out[name] = w.clone().contiguous()
+    return out
+"""),
+    "apply in a loop over the old tables": ("9.apply", """
+def apply_changes(tables, changes):
+    out = {}
+    for s, blocks in tables.items():
+        if s in changes["freed"]:
+            continue
+        out[s] = blocks + changes["appended"].get(s, [])
+    for s, blocks in changes["replaced"].items():
+        out[s] = [b for b in blocks]
+    return out
     "remap with zip over the slices": ("9b.remap", """
 def remap(remote_table, local_table, first, end):
     if first < 0 or end < first or end > len(remote_table) or end > len(local_table):

@@ -39,6 +39,7 @@ from ..formats import check_pair, load_model, load_tokenizer
 from ..fragmentation import measure_contiguous, measure_paged
 from ..kv_budget import bytes_per_block
 from ..kv_formats import stored_layout
+from ..mirror import start_mirrored
 from ..sizing import pool_blocks
 from ..kv_cache import ContiguousCache
 from ..sharing import SharedPagedCache
@@ -85,16 +86,24 @@ def make_chat_cache(model, kind="paged", block_size=16, kv_budget=None, max_seqs
 
 
 def load(args):
-    """The model, its tokenizer, and a conversation in the cache the arguments ask for."""
+    """The model, its tokenizer, and a conversation in the cache the arguments ask for; with
+    `--tensor-parallel N`, rank 0's conversation, each of its calls made on N processes."""
     path = model_path(args.model)
     model = load_model(path, dtype=getattr(torch, args.dtype))
-    tokenizer = load_tokenizer(path)
-    check_pair(model, tokenizer)
-    cache = make_chat_cache(model, args.cache, args.block_size, args.kv_budget,
-                            kv_dtype=args.kv_dtype)
-    return Conversation(model, tokenizer, cache, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                        system=args.system)
+    check_pair(model, load_tokenizer(path))
+    options = (path, args.cache, args.block_size, args.kv_budget, args.kv_dtype,
+               dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    top_p=args.top_p, seed=args.seed, system=args.system))
+    if args.tensor_parallel == 1:
+        return conversation(model, *options)
+    return start_mirrored(model, args.tensor_parallel, conversation, options,
+                          calls=("reply", "reset"))
+
+
+def conversation(model, path, cache, block_size, kv_budget, kv_dtype, options) -> Conversation:
+    """A conversation of `model` (the whole model, or one rank's shard of it)."""
+    chat_cache = make_chat_cache(model, cache, block_size, kv_budget, kv_dtype=kv_dtype)
+    return Conversation(model, load_tokenizer(path), chat_cache, **options)
 
 
 def stats_rows(conv):
@@ -257,13 +266,19 @@ def main(argv=None) -> int:
     if sys.stdin is not None and hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")     # bytes that are not UTF-8 become U+FFFD
     if args.demo is not None:
+        if args.tensor_parallel != 1:
+            raise UsageError("--demo runs in one process; drop --tensor-parallel")
         return run_demo(args, console)
     conv = load(args)
-    if args.prompt is not None:
-        return 0 if answer(conv, args.prompt) else CUT_SHORT_STATUS
-    elif sys.stdin is None or not sys.stdin.isatty():
-        return piped(conv, console) if sys.stdin is not None else 0
-    else:
-        interactive(conv, console, status=not args.no_status)
-    return 0
+    try:
+        if args.prompt is not None:
+            return 0 if answer(conv, args.prompt) else CUT_SHORT_STATUS
+        elif sys.stdin is None or not sys.stdin.isatty():
+            return piped(conv, console) if sys.stdin is not None else 0
+        else:
+            interactive(conv, console, status=not args.no_status)
+        return 0
+    finally:
+        if hasattr(conv, "close"):      # --tensor-parallel: the other ranks end with the chat
+            conv.close()
 

@@ -31,6 +31,9 @@ def build_parser():
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--kv-dtype", choices=["int8"], help="store the paged KV blocks as int8 "
                    "codes with their scales (stage 4b; default: the model's dtype)")
+    p.add_argument("--tensor-parallel", type=cli.whole(1), default=1, metavar="N",
+                   help="split the model and its KV blocks by heads over N processes (stage 9; "
+                   "N must divide the model's KV heads; default 1)")
     return p
 
 

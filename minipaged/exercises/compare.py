@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import fragmentation, generate
+from .. import fragmentation, generate, tensor_parallel
 from ..beams import BeamSearch
 from ..cache_manager import CacheManager
 from ..chunked_engine import ChunkedEngine
@@ -128,6 +128,19 @@ def _walk():
     return out, trace
 
 
+def _ranks():
+    """Stage 9: the shapes of layer 0's attention weights on each of 2 ranks, and a worker's
+    tables after each of 6 steps' messages."""
+    model = checks.stage9._model(False)
+    shapes = {r: {k: tuple(w.shape) for k, w in tensor_parallel.rank_state_dict(model, r, 2).items()
+                  if k.startswith("layers.0.attention.")} for r in range(2)}
+    worker, tables = {}, []
+    for before, after in checks.stage9._random_steps(0, 6):
+        worker = tensor_parallel.apply_changes(worker, tensor_parallel.step_changes(before, after))
+        tables.append(worker)
+    return {"weights per rank": shapes, "a worker's tables, step by step": tables}
+
+
 def _run(stage: str):
     model, prompts = checks.common.tiny_model(), checks.common.prompts_of((3, 9, 14))
     if stage == "1":
@@ -161,6 +174,8 @@ def _run(stage: str):
         for p in checks.stage7._repetitive_prompts():
             engine.add_request(p, 10, stop_tokens=[])
         return {"tokens": [r.output for r in engine.run()], "stats": engine.spec}
+    if stage == "9":
+        return _ranks()
     search = BeamSearch(model, prompts[1], 3, 5, cache="paged", block_size=2, stop_tokens=[],
                         backend="torch")
     search.run()

@@ -33,6 +33,11 @@ ARITH = {ast.Add: [ast.Sub], ast.Sub: [ast.Add], ast.Mult: [ast.FloorDiv, ast.Ad
 
 # task id -> {mutant description: why it cannot change what the function does}
 EQUIVALENT: dict[str, dict[str, str]] = {
+    "9.apply": {
+        "line 6: swapped with the next statement `out.update({s: list(b) for s, b in "
+        "changes['replaced'].items`":
+            "step_changes never lists a sequence both as appended and as replaced",
+    },
     "4.split": {
         "line 10: swapped with the next statement `used_some_day = np.minimum(allocated, final)`":
             "np.minimum of the lists gives the same numbers as of the int64 arrays",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from . import checks as c
 
-STAGES = ("1", "2", "3", "3b", "4", "5", "5b", "6", "6b", "7", "9b")
+STAGES = ("1", "2", "3", "3b", "4", "5", "5b", "6", "6b", "7", "9", "9b")
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,16 @@ TASKS = (
          "ceil(num_tokens / block_size)",
          "lessons/07-speculative-decoding.md, section Roll back",
          (c.rollback_keeps_the_allocator_whole, c.speculative_greedy_tokens)),
+    Task("9.shard", "9", "stage9_tensor_parallel.py",
+         "minipaged.tensor_parallel.rank_state_dict",
+         "a rank's weights: its heads' rows of wq/wk/wv, columns of wo; its MLP share of w1/w3 "
+         "(rows) and w2 (columns); the rest whole",
+         "lessons/09-tensor-parallel.md, section Splitting a layer: columns, then rows",
+         (c.rank_weights_are_its_heads_and_features,)),
+    Task("9.apply", "9", "stage9_tensor_parallel.py", "minipaged.tensor_parallel.apply_changes",
+         "a worker's tables after one step's message: drop the freed, append, replace",
+         "lessons/09-tensor-parallel.md, section One block table, N pools",
+         (c.worker_tables_follow_the_scheduler,)),
     Task("9b.remap", "9b", "stage9b_disaggregated.py", "minipaged.disaggregated.remap",
          "pair the prefill side's block ids with the decode side's, logical block by block, "
          "after the skipped ones",

@@ -56,6 +56,9 @@ def build_parser():
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--kv-dtype", choices=["int8"], help="store the KV blocks as int8 codes with "
                    "their scales (stage 4b; default: the model's dtype)")
+    p.add_argument("--tensor-parallel", type=cli.whole(1), default=1, metavar="N",
+                   help="split the model and its KV blocks by heads over N processes (stage 9; "
+                   "N must divide the model's KV heads; default 1)")
     p.add_argument("--drain-seconds", type=cli.number(at_least=0), default=5.0,
                    help="after Ctrl-C or SIGTERM, how long answers in flight may finish "
                    "before they are aborted")
@@ -73,7 +76,8 @@ def main(argv=None) -> int:
                             args.num_blocks, args.kv_budget, args.preemption, args.max_num_seqs,
                             args.max_num_batched_tokens, not args.no_prefix_caching,
                             args.max_model_len, args.max_waiting, kv_dtype=args.kv_dtype,
-                            max_body_bytes=args.max_body_bytes or MAX_BODY_BYTES)
+                            max_body_bytes=args.max_body_bytes or MAX_BODY_BYTES,
+                            tensor_parallel=args.tensor_parallel)
     e = loop.engine
     print(f"minipaged serving {args.model or 'embedded'}: {e.cache.num_blocks} blocks of "
           f"{e.cache.block_size} tokens, context {e.max_seq_len}; the pool live at "
@@ -85,6 +89,8 @@ def main(argv=None) -> int:
     finally:
         loop.stop()
         sock.close()
+        if hasattr(e, "close"):         # --tensor-parallel: the other ranks end with the server
+            e.close()
     print("minipaged serve: stopped", file=sys.stderr, flush=True)
     return 0
 

@@ -27,4 +27,6 @@ from .stage7 import (  # noqa: F401
     ngram_propose_matches_brute_force, speculative_greedy_tokens,
     rollback_keeps_the_allocator_whole)
 from .stage9 import (  # noqa: F401
+    rank_weights_are_its_heads_and_features, worker_tables_follow_the_scheduler)
+from .stage9b import (  # noqa: F401
     remap_pairs_the_same_logical_blocks, disaggregated_tokens_and_moved_kv)
