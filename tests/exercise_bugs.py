@@ -640,6 +640,7 @@ def apply_changes(tables, changes):
     for s, blocks in changes["replaced"].items():
         out[s] = [b for b in blocks]
     return out
+"""),
     "remap with zip over the slices": ("9b.remap", """
 def remap(remote_table, local_table, first, end):
     if first < 0 or end < first or end > len(remote_table) or end > len(local_table):

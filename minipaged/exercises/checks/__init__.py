@@ -7,7 +7,8 @@ so a run is quick and repeatable); a failing input is shrunk and shown. Token ch
 tiny random Llama 3 built in `common.py` (no file is read) and compare exact greedy tokens.
 """
 
-from . import common, stage1, stage2, stage3, stage4, stage5, stage6, stage7, stage9  # noqa: F401
+from . import (common, stage1, stage2, stage3, stage4, stage5, stage6,  # noqa: F401
+               stage7, stage9, stage9b)
 from .stage1 import (  # noqa: F401
     contiguous_cache_tokens, contiguous_attend_matches_dense)
 from .stage2 import (  # noqa: F401
