@@ -301,6 +301,25 @@ def test_the_benchmark_refuses_bad_input_before_any_process(argv, says, capsys):
     assert no_ranks_left()
 
 
+@pytest.mark.parametrize("prompt_len, tokens, sending", [(20, 20, 3), (12, 6, 2)])
+def test_the_benchmark_counts_the_steps_a_central_scheduler_would_send(prompt_len, tokens,
+                                                                          sending):
+    """The benchmark's step message, on one rank in this process (blocks of 16 tokens): a
+    prompt of 20 sends on its prefill step (a new table), on the step that writes position 32
+    (a third block), and on its last (the table freed): 3 of 20 steps. A prompt of 12 with 6
+    new tokens writes position 16 on its last step, whose block is taken and freed within that
+    step: the after-the-step diff never shows it, 2 of 6. The tokens are one Engine's."""
+    model = tiny_model(dtype=torch.float32)
+    prompt = prompts(5, (prompt_len,))
+    res = tp_benchmark._measure(0, 1, torch.device("cpu"), model.args,
+                                [rank_state_dict(model, 0, 1)], prompt, tokens, 1)
+    assert (res["steps"], res["messages"]) == (tokens, sending)
+    assert 0 < res["mean_bytes"] <= res["max_bytes"] < 200
+    engine = Engine(model, num_blocks=8, block_size=16)
+    engine.add_request(prompt[0], tokens, stop_tokens=[])
+    assert res["outputs"] == [r.output for r in engine.run()]
+
+
 class RandomDrafts(Engine):
     """Drafts of random length, a random prefix of them accepted: rollbacks of every size."""
     rng: random.Random = None

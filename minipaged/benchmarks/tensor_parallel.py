@@ -8,13 +8,17 @@ For each N, N processes (gloo on a CPU) each load their shard and, inside the gr
 all-reduce of a decode step's activations (1 token x dim floats, as each layer does twice), the
 per-step agreement check (one all-gather of 8 bytes), and serving --prompts greedy prompts of
 --prompt-len random tokens for --tokens new tokens each on the engine (the process start and the
-weights' transfer are not counted). KV capacity: the blocks of 16 tokens a --kv-budget holds on
+weights' transfer are not counted). The other design's step message is measured on the same run:
+rank 0 records what a central scheduler would send after each step (`step_changes` of layer 0's
+tables, pickled: its mean and largest size, and how many steps send anything), then the ranks
+time broadcasting the largest one from rank 0 (`broadcast_object_list`, gloo). KV capacity: the blocks of 16 tokens a --kv-budget holds on
 each rank. Every N must give N = 1's tokens (checked). All N share the same cores: on one CPU,
 expect N > 1 to be slower; the point of the split is memory per device, on GPUs.
 """
 
 from __future__ import annotations
 
+import pickle
 import time
 
 import torch
@@ -27,8 +31,8 @@ from ..formats import load_model, packaged_model_path
 from ..kv_budget import bytes_per_block
 from ..sizing import pool_blocks
 from ..ranks import run_ranks
-from ..tensor_parallel import (LockstepEngine, check_agreement, check_world_size, load_shard,
-                               rank_state_dict)
+from ..tensor_parallel import (LockstepEngine, block_tables, check_agreement, check_world_size,
+                               load_shard, rank_state_dict, step_changes)
 
 
 def _timed(fn, repeats: int) -> float:
@@ -54,10 +58,27 @@ def _measure(rank, world_size, device, args, states, prompts, tokens, repeats) -
                                                             repeats)
     for p in prompts:
         engine.add_request(p, tokens, stop_tokens=[])
+    sizes, recording = [], 0.0             # the step messages, and the seconds spent taking them
     start = time.perf_counter()
-    engine.run()
-    return {"seconds": time.perf_counter() - start, "all_reduce_s": all_reduce_s,
-            "check_s": check_s, "outputs": [r.output for r in engine.requests]}
+    while engine.has_unfinished():
+        before = block_tables(engine.cache.managers[0]) if rank == 0 else None
+        engine.step()
+        if rank == 0:
+            t = time.perf_counter()
+            changes = step_changes(before, block_tables(engine.cache.managers[0]))
+            empty = not any(changes.values())
+            sizes.append((0 if empty else len(pickle.dumps(changes)), changes))
+            recording += time.perf_counter() - t
+    seconds = time.perf_counter() - start - recording
+    largest = [max(sizes, key=lambda x: x[0])[1] if rank == 0 else None]
+    send = (lambda: dist.broadcast_object_list(list(largest), src=0)) if world_size > 1 else \
+        (lambda: None)
+    message_s = _timed(send, repeats)
+    sent = [b for b, _ in sizes if b]
+    return {"seconds": seconds, "all_reduce_s": all_reduce_s, "check_s": check_s,
+            "message_s": message_s, "steps": len(sizes), "messages": len(sent),
+            "mean_bytes": sum(sent) / max(1, len(sent)), "max_bytes": max(sent, default=0),
+            "outputs": [r.output for r in engine.requests]}
 
 
 @cli.program
@@ -87,7 +108,8 @@ def main(argv=None) -> int:
                         f"new tokens each, fp32, every rank on the same CPU")
     for col in ("ranks", "tokens/s", "vs 1 rank", "KV bytes per block (16 tokens) per rank",
                 f"blocks per rank in {a.kv_budget / 2**20:g} MiB", "all-reduce (dim floats)",
-                "agreement check", "same tokens"):
+                "agreement check", "steps sending changes", "change message: mean / largest",
+                "largest sent", "same tokens"):
         table.add_column(col, justify="right")
     first = None
     for n in a.ranks:
@@ -103,8 +125,11 @@ def main(argv=None) -> int:
                       f"{a.kv_budget // block:,}",
                       f"{res['all_reduce_s'] * 1e6:.0f} µs" if n > 1 else "-",
                       f"{res['check_s'] * 1e6:.0f} µs" if n > 1 else "-",
+                      f"{res['messages']} of {res['steps']}",
+                      f"{res['mean_bytes']:.0f} / {res['max_bytes']} bytes",
+                      f"{res['message_s'] * 1e6:.0f} µs" if n > 1 else "-",
                       str(res["outputs"] == first[1]))
-    Console(width=160).print(table)
+    Console(width=200).print(table)
     return 0
 
 
