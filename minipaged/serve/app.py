@@ -7,8 +7,10 @@
     GET  /health                 200 while the engine loop runs, 503 once it has stopped
     GET  /version                {"version"} of minipaged
     POST /tokenize, /detokenize  a prompt (or messages) to token ids and back, as vLLM's
-    GET  /                       the pool, live (`live_page.py`); GET /pool and /pool/events
-                                 give the state it draws, once or as server-sent events
+    GET  /                       the pool, live (`live_page.py`), sent with its first picture;
+                                 GET /pool and /pool/events give the state it draws, once or as
+                                 server-sent events; GET /pool/request/{id} one request's block
+                                 tables, every layer; GET /lesson the lesson it links to
 
 Each request is read and checked here, then handed to the loop; what the engine refuses (a
 prompt too long for the context or the pool) comes back as OpenAI's 400 error, and the engine
@@ -25,6 +27,7 @@ import functools
 import importlib.metadata
 import json
 import logging
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import (HTMLResponse, JSONResponse, PlainTextResponse, Response,
@@ -34,14 +37,15 @@ from starlette.requests import ClientDisconnect
 
 from ..errors import RequestError, TokenizerError
 from ..formats import chat_format
-from .live_page import LIVE_PAGE
-from .loop import EngineLoop, QueueFullError, pool_state
+from .live_page import render
+from .loop import EngineLoop, QueueFullError, block_tables, pool_state
 from .metrics import prometheus_text
 from .protocol import (CHAT_FIELDS, COMPLETION_FIELDS, APIError, Answer, check_fields,
                        get_bool, get_model, parse_json, sampling, sse, usage)
 
 CHAT_DEFAULT_MAX_TOKENS = 256     # a chat reply's length when the request names none
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
+LESSON = Path(__file__).resolve().parents[2] / "lessons" / "08-serving.md"
 EVENTS_PERIOD = 0.1               # seconds between two pictures of the pool on /pool/events
 MAX_BODY_BYTES = 2**20            # a request body past this is refused (413), unread
 log = logging.getLogger("minipaged.serve")
@@ -197,7 +201,7 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str,
         try:
             ticket = await asyncio.wrap_future(loop.submit(
                 ids, opts["max_tokens"], opts["temperature"], opts["top_p"], opts["n"],
-                opts["seed"], stop_tokens, opts["logprobs"]))
+                opts["seed"], stop_tokens, opts["logprobs"], name=ans.id))
         except QueueFullError as e:
             raise APIError(str(e), code=e.code, status=503, kind=e.kind) from None
         except RequestError as e:
@@ -340,7 +344,25 @@ def create_app(loop: EngineLoop, tokenizer, model_name: str,
 
     @app.get("/")
     async def live_page():
-        return HTMLResponse(LIVE_PAGE)
+        return HTMLResponse(render(await picture()))
+
+    @app.get("/pool/request/{name}")
+    async def pool_request(name: str):
+        """The block tables, every layer, of the request its client knows as `name`."""
+        tables = await asyncio.wrap_future(loop.ask(lambda: block_tables(engine, loop, name)))
+        if tables is None:
+            raise APIError(f"no request {name!r} is in the engine (a finished request is "
+                           f"forgotten); GET /pool lists the ids in flight", status=404,
+                           code="not_found", param="id")
+        return tables
+
+    @app.get("/lesson")
+    async def lesson():
+        """Lesson 08 (serving), as text, when the server runs from a checkout."""
+        if not LESSON.is_file():
+            raise APIError("lesson 08 is lessons/08-serving.md in the minipaged repository; "
+                           "this installed copy does not have it", status=404, code="not_found")
+        return PlainTextResponse(LESSON.read_text(encoding="utf-8"))
 
     @app.get("/pool")
     async def pool():

@@ -51,6 +51,7 @@ class Ticket:
     sent: list = field(default_factory=list)     # tokens already posted, per sample
     done: list = field(default_factory=list)     # finished, per sample
     error: str | None = None           # why the engine failed it (finish_reason "error")
+    name: str = ""                     # the id its client sees (cmpl-…, chatcmpl-…)
 
     @property
     def prompt_tokens(self) -> int:
@@ -93,10 +94,10 @@ class EngineLoop:
 
     # -- called from the HTTP side ----------------------------------------------------------------
     def submit(self, prompt, max_tokens: int, temperature: float, top_p: float, n: int,
-               seed: int | None, stop_tokens, logprobs: int | None = None
+               seed: int | None, stop_tokens, logprobs: int | None = None, name: str = ""
                ) -> concurrent.futures.Future:
         """Ask for `n` samples of `prompt` (with each token's logprobs and `logprobs` rivals,
-        if not None); the future gives a Ticket, or the engine's RequestError (the request
+        if not None), under the id its client sees (`name`); the future gives a Ticket, or the engine's RequestError (the request
         changed nothing), or QueueFullError."""
         aio, queue = asyncio.get_running_loop(), asyncio.Queue()
         seed = random.randrange(2**63) if seed is None else seed
@@ -110,7 +111,7 @@ class EngineLoop:
             gens = [row_generator(seed, j) if temperature > 0 else None for j in range(n)]
             e.add_request(prompt, max_tokens, temperature, top_p, stop_tokens=stop_tokens,
                           n=n, generators=gens, logprobs=logprobs)
-            t = Ticket(e.requests[-n:], queue, aio, [0] * n, [False] * n)
+            t = Ticket(e.requests[-n:], queue, aio, [0] * n, [False] * n, name=name)
             self.tickets.append(t)
             return t
         return self.ask(add)
@@ -319,7 +320,8 @@ def counters(engine, loop) -> dict:
 
 def pool_state(engine, loop) -> dict:
     """`counters`, with layer 0's pool block by block (every layer holds the same tokens) and
-    the queues' req_ids: what the live page draws. Taken in the loop's thread."""
+    the queues' req_ids, and the id each req_id's client sees: what the live page draws. Taken
+    in the loop's thread."""
     cache, s = engine.cache, engine.scheduler
     m = cache.managers[0]
     owner = [-1] * cache.num_blocks                  # -1 free, -2 cached free, else a req_id
@@ -337,4 +339,20 @@ def pool_state(engine, loop) -> dict:
     return {**counters(engine, loop), "owner": owner, "shared": shared,
             "running": [r.req_id for r in s.running],
             "waiting": [r.req_id for r in s.waiting] + [r.req_id for r in engine.pending],
-            "swapped": [r.req_id for r in s.swapped]}
+            "swapped": [r.req_id for r in s.swapped],
+            "names": {r.req_id: t.name for t in loop.tickets for r in t.samples}}
+
+
+def block_tables(engine, loop, name: str) -> dict | None:
+    """The request its client knows as `name`: each sample's block table in every layer (the
+    blocks it holds, in token order; empty while it waits or is swapped out). None if no
+    request in flight has that name. Taken in the loop's thread."""
+    cache = engine.cache
+    for t in loop.tickets:
+        if t.name == name:
+            held = [r.seq_id is not None and r.seq_id in cache for r in t.samples]
+            return {"id": name, "block_size": cache.block_size, "samples": [
+                {"index": i, "req_id": r.req_id, "status": r.status,
+                 "layers": [m.blocks_of(r.seq_id) if h else [] for m in cache.managers]}
+                for i, (r, h) in enumerate(zip(t.samples, held))]}
+    return None
