@@ -78,13 +78,8 @@ def run_ranks(fn, world_size: int, args=(), device="cpu", timeout: float | None 
     torch.distributed group; return each rank's result, in rank order. If a rank fails, dies or
     goes silent for `timeout` seconds, every rank is ended and one TensorParallelError names it;
     a refusal (a MiniPagedError) comes back as itself. No process outlives this call."""
-    device, timeout = torch.device(device), timeout or TIMEOUT
-    backend = backend_for(device, world_size)
-    fn = _importable(fn)
-    threads = threads or max(1, torch.get_num_threads() // world_size)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    folder = tempfile.mkdtemp(prefix="minipaged-tp-")
+    device, timeout, backend, fn, threads, ctx, results, folder = _prepare(
+        fn, world_size, device, timeout, threads)
     procs = [ctx.Process(target=_rank_main, name=f"minipaged-rank{r}", daemon=True,
                          args=(r, world_size, backend, os.path.join(folder, "store"), timeout,
                                threads, os.getpid(), fn, args, results))
@@ -97,6 +92,18 @@ def run_ranks(fn, world_size: int, args=(), device="cpu", timeout: float | None 
     finally:
         _end(procs)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _prepare(fn, world_size, device, timeout, threads):
+    """What starting the ranks needs, for `run_ranks` and `start_followers`: the device, the
+    timeout, the backend, `fn` as the ranks will import it, threads a rank, the spawn context,
+    the results queue and a folder for the group's store file."""
+    device, timeout = torch.device(device), timeout or TIMEOUT
+    backend = backend_for(device, world_size)
+    threads = threads or max(1, torch.get_num_threads() // world_size)
+    ctx = mp.get_context("spawn")
+    return (device, timeout, backend, _importable(fn), threads, ctx, ctx.Queue(),
+            tempfile.mkdtemp(prefix="minipaged-tp-"))
 
 
 def _importable(fn):
@@ -260,14 +267,9 @@ def start_followers(fn, world_size: int, rank_args, device="cpu", timeout: float
     if dist.is_initialized():
         raise UsageError("this process is already in a torch.distributed group; tensor "
                          "parallelism starts its own")
-    device, timeout = torch.device(device), timeout or TIMEOUT
-    backend = backend_for(device, world_size)
-    fn = _importable(fn)
-    threads = threads or max(1, torch.get_num_threads() // world_size)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    device, timeout, backend, fn, threads, ctx, results, folder = _prepare(
+        fn, world_size, device, timeout, threads)
     inboxes = [ctx.Queue() for _ in range(1, world_size)]
-    folder = tempfile.mkdtemp(prefix="minipaged-tp-")
     store = os.path.join(folder, "store")
     procs = [ctx.Process(target=_rank_main, name=f"minipaged-rank{r}", daemon=True,
                          args=(r, world_size, backend, store, timeout, threads, os.getpid(),
