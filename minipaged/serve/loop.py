@@ -202,7 +202,8 @@ class EngineLoop:
             log.exception("an engine step failed; its requests are ended with an error")
             s = self.engine.scheduler
             why = f"the engine failed on this request ({type(e).__name__}: {e})"
-            ran = list(s.running) + list(getattr(s, "prefilling", ()))
+            ran = list(getattr(e, "requests", ())) or \
+                list(s.running) + list(getattr(s, "prefilling", ()))   # (9b: the error names them)
             if not ran:                       # it failed before running any: all would wait on it
                 ran = list(self.engine.pending) + list(s.waiting) + list(s.swapped)
             for r in ran:
