@@ -101,7 +101,7 @@ class PrefillConnector:
     def request_finished(self, key: int, seq_id: int) -> bool:
         """The prompt is in the cache: take one more reference on each of its blocks (as a fork
         would, without a table row), so finishing the request frees nothing, and announce them
-        with the deadline. True: the free is delayed (vLLM's `request_finished` answers the same)."""
+        with their deadline. True: the free is delayed (vLLM's `request_finished` says so too)."""
         ids = [m.blocks_of(seq_id) for m in self.cache.managers]
         for m, blocks in zip(self.cache.managers, ids):
             m.hold(blocks)
@@ -402,8 +402,12 @@ def serve_disaggregated(model, job: Job, faults: Faults | None = None,
         prefill, decode = run_ranks(_side, 2, (model, job, links, faults, timeout),
                                     timeout=timeout, grace={1: timeout + 5.0})
     except TensorParallelError as e:
-        error = DisaggregationError(side_names(str(e)))
-        error.prefill = e.results.get(0)
+        said, prefill = side_names(str(e)), e.results.get(0)
+        if prefill is not None:                    # the decode engine died; the prefill ended
+            said = (f"{said.split(';')[0]}; the prefill engine then freed what it held and "
+                    f"ended ({prefill['leaked']} blocks left in use)")
+        error = DisaggregationError(said)
+        error.prefill = prefill
         raise error from None
     return {"prefill": prefill, "decode": decode}
 
@@ -411,7 +415,9 @@ def serve_disaggregated(model, job: Job, faults: Faults | None = None,
 def side_names(said: str) -> str:
     """stage 9's error line, its ranks named as the two sides."""
     said = said.replace("tensor parallel: ", "").replace("rank 0 of 2", "the prefill engine")
-    return "disaggregated: " + said.replace("rank 1 of 2", "the decode engine")
+    said = said.replace("the other ranks were stopped", "the other engine was stopped")
+    return "disaggregated: " + said.replace("rank 1 of 2", "the decode engine").replace(
+        "every rank was stopped", "both were stopped")
 
 
 def _side(rank, world_size, device, model, job, links, faults, timeout) -> dict:

@@ -73,7 +73,7 @@ class DisaggregatedEngine(SpeculativeEngine):
         if self.dead is None:
             try:
                 self.followers.check()
-            except TensorParallelError as e:        # the group's words: the prefill engine is rank 1
+            except TensorParallelError as e:   # the group's words: the prefill engine is rank 1
                 self.dead = str(e).replace("tensor parallel: ", "disaggregated: ").replace(
                     "rank 1 of 2", "the prefill engine").replace("program", "server")
         if self.dead is not None:

@@ -99,7 +99,8 @@ def serve(engine, trace, chats: int, name: str, clock=time.perf_counter) -> Time
 
 def colocated(model, trace, chats, budget, block_size) -> Timeline:
     """One engine: the chats' decodes and the long prompts' chunks share its steps (prefix
-    caching on, as on the disaggregated decode engine: the one difference is where prefill runs)."""
+    caching on, as on the disaggregated decode engine: the one difference is where prefill
+    runs)."""
     engine = Engine(model, pool_size(trace, block_size), block_size, max_seq_len=max_len(trace),
                     max_num_batched_tokens=budget, max_num_seqs=len(trace), prefix_caching=True)
     return serve(engine, trace, chats, f"colocated (chunked prefill, budget {budget})")
