@@ -245,8 +245,8 @@ class DecodeConnector:
     def wait_for_layer_load(self, layer: int, pairs) -> None:
         """Wait for one layer's blocks to be read (until the deadline: else TimeoutError), then
         write them: remote pool[remote id] -> local pool[local id]."""
-        start = time.perf_counter()
-        if not self.reads.ready[layer].wait(max(0.0, self.deadline - time.monotonic())):
+        start, left = time.perf_counter(), self.deadline - time.monotonic()
+        if left <= 0 or not self.reads.ready[layer].wait(left):     # (read late: maybe freed)
             raise TimeoutError(f"layer {layer}'s blocks were not read before the deadline")
         m, (k, v) = self.engine.cache.managers[layer], self.reads.staged[layer]
         dst = torch.tensor([loc for _, loc in pairs], dtype=torch.long, device=m.device)

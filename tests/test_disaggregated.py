@@ -16,9 +16,9 @@ import torch
 
 from conftest import tiny_model
 from minipaged import generate
-from minipaged.disaggregated import (DisaggregationError, Faults, Job, PrefillConnector,
-                                     PrefillEngine, build_engine, leaked_blocks, prefill_loop,
-                                     prompts_inbox, remap, serve_disaggregated,
+from minipaged.disaggregated import (LOAD_MARGIN, DisaggregationError, Faults, Job,
+                                     PrefillConnector, PrefillEngine, build_engine, leaked_blocks,
+                                     prefill_loop, prompts_inbox, remap, serve_disaggregated,
                                      serve_in_one_process)
 from minipaged.errors import RequestError
 
@@ -178,6 +178,19 @@ def kill_rank_once_met(rank, after):
             time.sleep(0.02)
     threading.Thread(target=watch, daemon=True).start()
     return sent
+
+
+def test_blocks_announced_past_their_deadline_are_not_read_but_recomputed():
+    """A hold shorter than the decode side's margin: every deadline has passed by the time the
+    decode side would read (the prefill side may have reused those blocks): it reads nothing and
+    recomputes every prompt, with the same tokens."""
+    model = tiny_model()
+    ps = prompts([14, 17, 30])
+    report = serve_in_one_process(model, job(ps, 6), timeout=LOAD_MARGIN / 2)
+    assert report["decode"]["outputs"] == reference(model, ps, 6)
+    t = report["decode"]["transfer"]
+    assert t.loads_timed_out == t.loads_failed == len(ps) and t.blocks_sent == 0
+    assert report["prefill"]["leaked"] == 0 == report["decode"]["leaked"]
 
 
 def test_a_killed_prefill_engine_ends_the_call_with_an_error():
