@@ -9,7 +9,9 @@ decode engine reads them: it finds how many leading blocks its own prefix cache 
 ids), pairs remote id -> local id (the remap), copies layer by layer, names the blocks in its
 prefix cache, and only then adds the request: its prefill finds the prompt cached and computes
 only the last block, whose logits give the first token. The decode side acknowledges, and the
-prefill side frees the held blocks — or frees them after `timeout` seconds without an answer.
+prefill side frees the held blocks — or frees them after `timeout` seconds without an answer:
+the deadline, which the announcement carries, so that the decode side gives up reading (and
+recomputes the prompt) before the blocks may be reused.
 
 The copy is a read of the prefill side's pool through shared memory, by block id (NIXL, which
 vLLM's P/D connector uses, reads a remote pool by block id over RDMA the same way); the small

@@ -1,5 +1,5 @@
-"""Stage 9b in a program that runs on (the server): the decode engine in the caller's process,
-the prefill engine in a process of its own, started with it and ended with it.
+"""Stage 9b: disaggregation in a program that runs on (the server) — the decode engine in the
+caller's process, the prefill engine in a process of its own, started and ended with it.
 
     engine = DisaggregatedEngine(model, num_blocks, block_size)   # starts the prefill process
     engine.add_request(prompt, 20)   # the prompt goes to the prefill engine first

@@ -23,6 +23,7 @@ from minipaged import generate, load_model, load_tokenizer
 from minipaged.disaggregated import DisaggregationError
 from minipaged.disaggregated_engine import DisaggregatedEngine
 from minipaged.serve import server as serve_server
+from minipaged.serve.metrics import parse_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,6 +60,14 @@ def test_answers_equal_one_engines_and_shared_prefixes_are_not_moved(served):
     assert stats.blocks_sent > 0 and stats.loads_failed == 0
     assert stats.blocks_skipped >= len(system) // 16     # the second ask's shared blocks
     assert srv.engine.cache.num_used_blocks == 0         # every answer's blocks came back
+    m = parse_metrics(httpx.get(srv.url + "/metrics").text)
+    assert (m["minipaged_kv_transfer_blocks_total"], m["minipaged_kv_transfer_bytes_total"],
+            m["minipaged_kv_transfer_skipped_blocks_total"],
+            m["minipaged_kv_transfer_failed_total"]) == (
+        stats.blocks_sent, stats.bytes_sent, stats.blocks_skipped, 0)
+    a = srv.model.args               # K and V, every layer, a block of 16 tokens, float32
+    assert stats.bytes_sent == stats.blocks_sent * 2 * a.n_layers * 16 * a.n_kv_heads * \
+        (a.dim // a.n_heads) * 4
 
 
 def test_a_dead_prefill_engine_is_named_to_the_request_waiting_on_it_and_to_the_next():
