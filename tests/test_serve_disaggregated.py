@@ -22,6 +22,7 @@ from test_tensor_parallel_cli import marked_processes
 from minipaged import generate, load_model, load_tokenizer
 from minipaged.disaggregated import DisaggregationError
 from minipaged.disaggregated_engine import DisaggregatedEngine
+from minipaged.errors import UsageError
 from minipaged.serve import server as serve_server
 from minipaged.serve.metrics import parse_metrics
 
@@ -132,28 +133,63 @@ def test_what_cannot_combine_is_refused_before_the_model_loads():
     refused(no_prefix, "--no-prefix-caching")
 
 
+def test_a_refusal_loads_no_model_and_starts_no_process(monkeypatch):
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(serve_server, "load_model", loaded)
+    monkeypatch.setattr("minipaged.disaggregated_engine.start_followers", loaded)
+    with pytest.raises(UsageError, match="tensor_parallel=2"):
+        serve_server.build(num_blocks=32, tensor_parallel=2, disaggregated=True)
+
+
+def start_server(mark: str, *args) -> tuple[subprocess.Popen, int]:
+    """`python -m minipaged.serve --disaggregated` in a session of its own, answering /health."""
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen([sys.executable, "-m", "minipaged.serve", "--port", str(port),
+                          "--num-blocks", "32", "--disaggregated", *args],
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                        "TP_TEST_MARK": mark}, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    end = time.time() + 60
+    while True:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            return p, port
+        except httpx.TransportError:
+            assert p.poll() is None and time.time() < end, p.stderr.read()
+            time.sleep(0.2)
+
+
+def gone(mark: str, seconds: float = 5.0) -> bool:
+    end = time.time() + seconds
+    while marked_processes(mark) and time.time() < end:
+        time.sleep(0.1)
+    return marked_processes(mark) == []
+
+
+def test_a_killed_server_leaves_no_prefill_process_behind():
+    mark = f"minipaged-test-{uuid.uuid4()}"
+    p, _ = start_server(mark)
+    try:
+        assert len(marked_processes(mark)) >= 2
+        os.kill(p.pid, signal.SIGKILL)                 # no shutdown runs: the orphan ends itself
+        p.wait(10)
+    finally:
+        p.kill()
+        p.wait()
+    assert gone(mark)
+
+
 def test_ctrl_c_mid_stream_ends_the_server_and_the_prefill_process():
     model, tok = load_model(dtype=torch.float32), load_tokenizer()
     ids = tok.encode("Paging is", bos=True)
     greedy = generate(model, [ids], 12, cache="paged", stop_tokens=[])[0]
     mark = f"minipaged-test-{uuid.uuid4()}"
-    with __import__("socket").socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    p = subprocess.Popen([sys.executable, "-m", "minipaged.serve", "--port", str(port),
-                          "--num-blocks", "32", "--drain-seconds", "1", "--disaggregated"],
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT),
-                                        "TP_TEST_MARK": mark}, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    p, port = start_server(mark, "--drain-seconds", "1")
     try:
-        url, end = f"http://127.0.0.1:{port}/v1/completions", time.time() + 60
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except httpx.TransportError:
-                assert p.poll() is None and time.time() < end, p.stderr.read()
-                time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}/v1/completions"
         assert len(marked_processes(mark)) >= 2                 # the server and the prefill
         body = {"model": "embedded", "prompt": ids, "max_tokens": 12, "ignore_eos": True}
         out = httpx.post(url, json={**body, "temperature": 0}, timeout=60).json()
@@ -173,7 +209,4 @@ def test_ctrl_c_mid_stream_ends_the_server_and_the_prefill_process():
     finally:
         p.kill()
         p.wait()
-    end = time.time() + 5
-    while marked_processes(mark) and time.time() < end:
-        time.sleep(0.1)
-    assert marked_processes(mark) == []
+    assert gone(mark)
