@@ -21,7 +21,7 @@ from test_tensor_parallel_cli import marked_processes
 
 from minipaged import generate, load_model, load_tokenizer
 from minipaged.disaggregated import DisaggregationError
-from minipaged.disaggregated_engine import DisaggregatedEngine
+from minipaged.disaggregated_engine import NOT_YET, DisaggregatedEngine
 from minipaged.errors import UsageError
 from minipaged.serve import server as serve_server
 from minipaged.serve.metrics import parse_metrics
@@ -119,6 +119,28 @@ def test_the_engine_fails_only_the_requests_waiting_on_a_dead_prefill_engine():
         with pytest.raises(DisaggregationError, match="the prefill engine died"):
             engine.add_request([1, 2, 3], 4)
         assert len(engine.requests) == 2                        # the refusal changed nothing
+    finally:
+        engine.close()
+
+
+def test_a_request_aborted_while_it_waits_for_its_blocks_is_never_loaded():
+    """The client hangs up before the prefill engine has answered: the request ends at once;
+    its blocks, announced later, are acknowledged unread (nothing of it is loaded), and the
+    decode engine's pool comes back clean."""
+    model = load_model(dtype=torch.float32)
+    engine = DisaggregatedEngine(model, 32, 16)
+    try:
+        pid = engine.followers.procs[0].pid
+        os.kill(pid, signal.SIGSTOP)
+        gone_req = engine.add_request(list(range(1, 40)), 5, stop_tokens=[])
+        engine.abort(gone_req)
+        os.kill(pid, signal.SIGCONT)
+        kept = engine.add_request(list(range(1, 20)), 3, stop_tokens=[])
+        engine.run()
+        assert gone_req.output == [] and gone_req.arrival_step == NOT_YET
+        assert kept.output == generate(model, [kept.prompt], 3, stop_tokens=[])[0]
+        assert engine.waiting_for_blocks == {} and engine.cache.num_used_blocks == 0
+        assert engine.connector.stats.blocks_sent == (len(kept.prompt) - 1) // 16
     finally:
         engine.close()
 
