@@ -13,6 +13,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..api import Engine
 from ..chat.options import model_path
+from ..disaggregated_engine import DisaggregatedEngine
 from ..errors import UsageError
 from ..formats import load_model, load_tokenizer
 from ..mirror import start_mirrored
@@ -29,12 +30,17 @@ def build(model=None, dtype=torch.float32, block_size: int = 16, num_blocks=None
           kv_budget=None, preemption: str = "recompute", max_num_seqs: int = 64,
           max_num_batched_tokens=None, prefix_caching: bool = True, max_model_len=None,
           max_waiting: int = 64, record: bool = False, kv_dtype=None,
-          max_body_bytes: int = MAX_BODY_BYTES, tensor_parallel: int = 1):
+          max_body_bytes: int = MAX_BODY_BYTES, tensor_parallel: int = 1,
+          disaggregated: bool = False):
     """The model, its engine in a loop, and the app; `model` as the chat's --model.
     `record=True` keeps the engine's `history` of steps, for the drawings of `minipaged.viz`;
     `kv_dtype="int8"` stores the KV blocks as int8 codes with their scales (stage 4b);
     `tensor_parallel=N` runs the engine on N processes (stage 9): the loop drives rank 0's, and
-    each change to it is made on every rank (`loop.engine.close()` ends them)."""
+    each change to it is made on every rank (`loop.engine.close()` ends them);
+    `disaggregated=True` prefills on an engine in another process and decodes on the loop's
+    (stage 9b; `loop.engine.close()` ends the other)."""
+    if disaggregated:
+        check_disaggregated(tensor_parallel, kv_dtype, prefix_caching)
     path = model_path(model) if model else None
     llama = load_model(path, dtype=dtype)
     tokenizer = load_tokenizer(path)
@@ -44,7 +50,9 @@ def build(model=None, dtype=torch.float32, block_size: int = 16, num_blocks=None
     options = dict(kv_budget=kv_budget, max_num_seqs=max_num_seqs, max_seq_len=context,
                    prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
                    record=record, kv_dtype=kv_dtype)
-    if tensor_parallel == 1:
+    if disaggregated:
+        engine = DisaggregatedEngine(llama, num_blocks, block_size, preemption, **options)
+    elif tensor_parallel == 1:
         engine = Engine(llama, num_blocks, block_size, preemption, **options)
     else:
         engine = start_mirrored(llama, tensor_parallel, rank_engine,
@@ -53,6 +61,20 @@ def build(model=None, dtype=torch.float32, block_size: int = 16, num_blocks=None
     loop = EngineLoop(engine, max_waiting=max_waiting)
     name = model or "embedded"
     return loop, create_app(loop, tokenizer, name, max_body_bytes), tokenizer, llama
+
+
+def check_disaggregated(tensor_parallel: int, kv_dtype, prefix_caching: bool) -> None:
+    """What disaggregated serving cannot combine with, refused before the model loads."""
+    if tensor_parallel != 1:
+        raise UsageError(f"disaggregated serving runs each engine in one process: it cannot "
+                         f"combine with tensor_parallel={tensor_parallel} (--tensor-parallel); "
+                         f"drop one of them")
+    if kv_dtype is not None:
+        raise UsageError(f"disaggregated serving moves the pool's K and V as they are: it cannot "
+                         f"combine with kv_dtype={kv_dtype} (--kv-dtype); drop one of them")
+    if not prefix_caching:
+        raise UsageError("disaggregated serving finds the blocks it moved by the prefix cache: "
+                         "it cannot run without it; drop --no-prefix-caching")
 
 
 ENGINE_CALLS = ("add_request", "abort", "release", "step")   # what changes an engine
