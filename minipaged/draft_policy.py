@@ -162,12 +162,15 @@ class DraftPolicy:
         lookup (`propose(req)`, which asks `k_for`) unless no draft could pay, then the gate's
         choice among what lookup found. Returns {request: drafts} for requests with drafts."""
         k = engine.num_speculative_tokens
-        for r in reqs:
-            self._ask(r, k)
         if len(reqs) != self.gate_batch:     # another batch: the gate may open again
             self.gate_wait, self.gate_misses, self.gate_batch = 0, 0, len(reqs)
-        if self.batch_gate and (self.gate_wait or not self._may_pay(reqs, engine)):
-            self.gate_wait = max(0, self.gate_wait - 1)
+        waiting = self.batch_gate and self.gate_wait > 0
+        if waiting:        # the gate's pause: no request asks (nor counts down a pause of its own)
+            self.gate_wait -= 1
+        else:
+            for r in reqs:
+                self._ask(r, k)
+        if waiting or (self.batch_gate and not self._may_pay(reqs, engine)):
             proposals = {r: [] for r in reqs}              # no lookup: nothing could pay
         else:
             proposals = {r: propose(r) for r in reqs}
@@ -183,7 +186,8 @@ class DraftPolicy:
         if self.trace is not None:
             for r, ds in chosen.items():
                 self.trace.append(dict(step=engine.step_count, req_id=r.req_id,
-                                       k=self.states[r].asked, found=len(proposals[r]),
+                                       k=0 if waiting else self.states[r].asked,
+                                       found=len(proposals[r]),
                                        drafts=len(ds), kept=0))
         return {r: ds for r, ds in chosen.items() if ds}
 
