@@ -5,11 +5,11 @@ process is rank 0, and each call that changes its object is made on every rank.
     conv.reply("hi")     # sent to ranks 1..N-1 first, then run here; they make the same call
     conv.close()         # every rank ends
 
-`build(shard, *build_args)` makes the object (a Conversation, an Engine) on each rank from its
+`build(shard, *build_args)` makes the object (the chat's Conversation) on each rank from its
 shard of the model (`tensor_parallel.load_shard`). Every rank then holds the same object on its
 own heads, and since the all-reduces give every rank the same logits, the same calls in the
-same order keep them alike: the lockstep of `tensor_parallel.py`, driven by one program's
-calls instead of one list of prompts. Only the calls named in `calls` are sent; reading the
+same order keep them alike: ranks in lockstep, mini-sglang's design. (The engine does not run
+this way: its ranks follow one scheduler, `tp_engine.py`.) Only the calls named in `calls` are sent; reading the
 object (its cache, its requests, for drawings and the status line) stays on rank 0.
 """
 
