@@ -53,14 +53,14 @@ from .tensor_parallel import (apply_changes, block_tables, check_world_size, loa
 class StepMessage:
     """One model call of rank 0's, for the workers (see the module's docstring)."""
     number: int
-    tokens: torch.Tensor                       # (B, T), on the CPU
+    tokens: list                               # (B, T) token ids, as lists
     segments: list                             # [(seq_ids, new tokens each)]
     packed: bool                               # segments packed in one row (a PackedBatch)
     lengths: dict                              # seq_id -> tokens held, this call's included
     tables: list                               # per layer, `step_changes` since the last message
     moves: list = field(default_factory=list)  # (kind, layer, from blocks, to blocks), in order
     last_only: bool = False
-    logits_indices: torch.Tensor | None = None
+    logits_indices: list | None = None
 
 
 @dataclass
@@ -116,29 +116,20 @@ class LoggedSwapSpace(SwapSpace):
         return n
 
 
-class TensorParallelEngine(SpeculativeEngine):
-    """Rank 0: stage 7's engine on its shard, whose every model call goes to `workers` first
-    (`Group`: ranks 1..N-1 of the torch.distributed group; `LocalWorkers`: in this process)."""
+class Messenger:
+    """Rank 0's side of the conversation with the workers: the tables they hold (those of the
+    last message), and each new message. Tells the workers the pools' sizes first."""
 
-    def __init__(self, model, *args, workers, draft_policy="fixed", **options):
-        if draft_policy != "fixed":        # "adaptive" times steps of a second, scratch engine
-            raise RequestError("tensor_parallel runs draft_policy='fixed' only: the adaptive "
-                               "policy measures steps on a scratch engine the ranks do not share")
-        super().__init__(model, *args, **options)
-        self.workers, self.model = workers, SendFirst(model, self)
-        self.sent_tables = [{} for _ in self.cache.managers]   # what the workers hold now
-        self.messages = 0
-        c, cpu = self.cache, self.swap.cpu_managers[0].num_blocks if self.swap else 0
-        workers.start(PoolSpec(c.num_blocks, c.block_size, cpu, c.dtype, c.kv_dtype, c.backend))
+    def __init__(self, cache: DriverCache, workers, num_cpu_blocks: int = 0):
+        self.cache, self.workers, self.number = cache, workers, 0
+        self.sent_tables = [{} for _ in cache.managers]        # what the workers hold now
+        c = cache
+        workers.start(PoolSpec(c.num_blocks, c.block_size, num_cpu_blocks, c.dtype, c.kv_dtype,
+                               c.backend))
 
-    def new_cache(self, *args, **kwargs) -> DriverCache:
-        return DriverCache(*args, prefix_caching=self.prefix_caching, **kwargs)
-
-    def new_swap(self, *args) -> LoggedSwapSpace:
-        return LoggedSwapSpace(*args)
-
-    def message(self, tokens, cache, last_only, logits_indices) -> StepMessage:
-        """The call about to run, and every change since the last message."""
+    def send(self, tokens, cache, last_only, logits_indices) -> None:
+        """Send the call about to run on `cache` (rank 0's, or a PackedBatch of it), with every
+        change since the last message."""
         c = self.cache
         steps = [(s["seq_ids"], n) for _, n, s in cache.segments] if cache is not c else \
             [(c.seq_ids, tokens.shape[1])]
@@ -148,10 +139,10 @@ class TensorParallelEngine(SpeculativeEngine):
         tables = [step_changes(b, a) for b, a in zip(self.sent_tables, now)]
         moves, self.sent_tables = list(c.moves), now
         c.moves.clear()
-        self.messages += 1
-        return StepMessage(self.messages - 1, tokens.cpu(), steps, cache is not c, lengths,
-                           tables, moves, last_only,
-                           None if logits_indices is None else logits_indices.cpu())
+        self.number += 1
+        self.workers.send(StepMessage(self.number - 1, tokens.tolist(), steps, cache is not c,
+                                      lengths, tables, moves, last_only,
+                                      None if logits_indices is None else logits_indices.tolist()))
 
     def close(self) -> None:
         """Tell the workers to stop (they return from `follow`)."""
@@ -159,18 +150,42 @@ class TensorParallelEngine(SpeculativeEngine):
 
 
 class SendFirst:
-    """Rank 0's model: a call is sent to the workers (`StepMessage`), then run here. Anything
+    """Rank 0's model: a call is sent to the workers (`Messenger`), then run here. Anything
     else (its args, its parameters) is the model's own."""
 
-    def __init__(self, model, engine):
-        self.inner, self.engine = model, engine
+    def __init__(self, model, messenger: Messenger):
+        self.inner, self.messenger = model, messenger
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def __call__(self, tokens, cache, last_only: bool = False, logits_indices=None):
-        self.engine.workers.send(self.engine.message(tokens, cache, last_only, logits_indices))
+        self.messenger.send(tokens, cache, last_only, logits_indices)
         return self.inner(tokens, cache=cache, last_only=last_only, logits_indices=logits_indices)
+
+
+class TensorParallelEngine(SpeculativeEngine):
+    """Rank 0: stage 7's engine on its shard, whose every model call goes to `workers` first
+    (`Group`: ranks 1..N-1 of the torch.distributed group; `LocalWorkers`: in this process)."""
+
+    def __init__(self, model, *args, workers, draft_policy="fixed", **options):
+        if draft_policy != "fixed":        # "adaptive" times steps of a second, scratch engine
+            raise RequestError("tensor_parallel runs draft_policy='fixed' only: the adaptive "
+                               "policy measures steps on a scratch engine the ranks do not share")
+        super().__init__(model, *args, **options)
+        cpu = self.swap.cpu_managers[0].num_blocks if self.swap else 0
+        self.messenger = Messenger(self.cache, workers, cpu)
+        self.model = SendFirst(model, self.messenger)
+
+    def new_cache(self, *args, **kwargs) -> DriverCache:
+        return DriverCache(*args, prefix_caching=self.prefix_caching, **kwargs)
+
+    def new_swap(self, *args) -> LoggedSwapSpace:
+        return LoggedSwapSpace(*args)
+
+    def close(self) -> None:
+        """Tell the workers to stop; with `start_engine`'s followers, end them too."""
+        self.messenger.close()
 
 
 # -- ranks 1..N-1: the workers -------------------------------------------------------------------
@@ -207,7 +222,7 @@ class WorkerCache:
             to = self.cpu if kind == "out" else self.managers
             for name in ("k_cache_paged", "v_cache_paged"):
                 d = getattr(to[layer], name)
-                d[torch.tensor(dst)] = getattr(frm[layer], name)[torch.tensor(src)].to(d.device)
+                d[dst] = getattr(frm[layer], name)[src].to(d.device)   # lists of block ids
         self.tables = [apply_changes(t, c) for t, c in zip(self.tables, message.tables)]
         self.lengths = {s: n for s, n in self.lengths.items() if s in self.tables[0]}
         self.lengths.update(message.lengths)
@@ -260,9 +275,10 @@ class Worker:
         """The call's forward on this rank's heads; its logits (rank 0's, after the
         all-reduces), which a worker drops: it samples nothing."""
         idx = message.logits_indices
-        return self.model(message.tokens.to(self.device), cache=self.cache.for_call(message),
-                          last_only=message.last_only,
-                          logits_indices=None if idx is None else idx.to(self.device))
+        return self.model(torch.tensor(message.tokens, device=self.device),
+                          cache=self.cache.for_call(message), last_only=message.last_only,
+                          logits_indices=None if idx is None else torch.tensor(
+                              idx, dtype=torch.long, device=self.device))
 
 
 def check_acks(acks, number: int) -> None:
@@ -275,9 +291,10 @@ def check_acks(acks, number: int) -> None:
 
 # -- how messages travel -------------------------------------------------------------------------
 class Group:
-    """Rank 0's side of the torch.distributed group: a message goes to every worker in one
-    broadcast; their acknowledgements come back in one all-gather of the numbers. With
-    `followers` (rank 0 is the caller's process: `start_engine`), a broken collective is
+    """Rank 0's side of the torch.distributed group. A message goes to every worker in one
+    broadcast, or, with `followers` (rank 0 is the caller's own process: `start_workers`), into
+    each follower's inbox, where a worker can wait for it as long as the program idles; the
+    acknowledgements come back in one all-gather of the numbers. A broken collective is
     reported as the follower that died."""
 
     def __init__(self, device="cpu", followers=None):
@@ -285,27 +302,39 @@ class Group:
         self.followers = followers
 
     def start(self, spec: PoolSpec) -> None:
-        self._talk(lambda: dist.broadcast_object_list([spec], src=0))
+        self._post(spec)
 
     def send(self, message: StepMessage) -> None:
-        acks = self._talk(lambda: (dist.broadcast_object_list([message], src=0),
-                                   _gather(message.number, self.device))[1])
+        self._post(message)
+        acks = self._talk(lambda: _gather(message.number, self.device))
         check_acks(acks[1:], message.number)
 
+    def check(self) -> None:
+        """With followers: one TensorParallelError if one died or they were stopped."""
+        if self.followers is not None:
+            self.followers.check()
+
+    def abandon(self, why: str) -> None:
+        """Stop the followers without a word: rank 0 was cut off in the middle of a call, so
+        they may be waiting in a collective it will never join."""
+        self.followers.close(why)
+
     def close(self) -> None:
+        """Stop: the workers return from `follow` (followers are also reaped)."""
         if self.followers is None:
-            dist.broadcast_object_list([None], src=0)      # stop: the workers return
-            return
-        try:
-            self._talk(lambda: dist.broadcast_object_list([None], src=0))
-        except TensorParallelError:
-            pass                                           # a rank is gone: end the rest
-        self.followers.close()
+            dist.broadcast_object_list([None], src=0)
+        else:
+            self.followers.close()               # None in every inbox, then every one reaped
+
+    def _post(self, obj) -> None:
+        if self.followers is None:
+            dist.broadcast_object_list([obj], src=0)
+        else:
+            self.followers.send(obj)             # names a follower that died
 
     def _talk(self, collective):
         if self.followers is None:
             return collective()
-        self.followers.check()
         try:
             return collective()
         except RuntimeError:               # a collective broke: name the rank that broke it
@@ -327,12 +356,14 @@ def _receive():
     return box[0]
 
 
-def follow(model, device="cpu") -> Worker:
+def follow(model, device="cpu", inbox=None) -> Worker:
     """A worker's whole life: the pools rank 0 sizes, then each message applied, acknowledged
-    and run, until rank 0 says stop. Returns the worker (its cache: for tests and drawings)."""
-    worker = Worker(model, _receive(), dist.get_rank())
+    and run, until rank 0 says stop. Messages come by broadcast, or from `inbox` (a queue:
+    `start_workers`' followers). Returns the worker (its cache: for tests and drawings)."""
+    receive = inbox.get if inbox is not None else _receive
+    worker = Worker(model, receive(), dist.get_rank())
     ack_device = device if dist.get_backend() == "nccl" else "cpu"
-    while (message := _receive()) is not None:
+    while (message := receive()) is not None:
         _gather(worker.apply(message), ack_device)
         worker.forward(message)
     return worker
@@ -364,33 +395,45 @@ def _serve_and_report(rank, world_size, device, args, states, prompts, max_new_t
     while engine.has_unfinished() and (steps is None or engine.step_count < steps):
         engine.step()
     engine.close()
-    return {"tables": engine.sent_tables, "pools": engine.cache.managers, "kv_heads": heads,
+    return {"tables": engine.messenger.sent_tables, "pools": engine.cache.managers, "kv_heads": heads,
             "managers": engine.cache.managers, "outputs": [r.output for r in engine.requests],
             "preemptions": engine.stats.preemptions}
 
 
-def start_engine(model, world_size: int, *args, **options) -> TensorParallelEngine:
-    """`minipaged.Engine(model, ..., tensor_parallel=N)`: this process becomes rank 0 and runs
-    the engine on its shard; N - 1 new processes follow it. Refused before any process starts
-    unless N splits the heads. `engine.close()` ends them (a server closes it when it stops)."""
+def start_workers(model, world_size: int):
+    """This process as rank 0 of `world_size`, with N - 1 new processes following it: returns
+    rank 0's shard and the `Group` its messages go to. Refused before any process starts
+    unless N splits the heads."""
     check_world_size(model.args, world_size)
     device = next(model.parameters()).device
     states = [rank_state_dict(model, r, world_size) for r in range(world_size)]
     followers = start_followers(_follow, world_size, [(model.args, states[r])
                                                       for r in range(1, world_size)], device)
     try:
-        shard = load_shard(model.args, 0, world_size, states[0], device)
-        return TensorParallelEngine(shard, *args, workers=Group(device, followers), **options)
+        return load_shard(model.args, 0, world_size, states[0], device), \
+            Group(device, followers)
     except BaseException:
         followers.close()
         raise
 
 
+def start_engine(model, world_size: int, *args, **options) -> TensorParallelEngine:
+    """`minipaged.Engine(model, ..., tensor_parallel=N)`: this process becomes rank 0 and runs
+    the engine on its shard (`start_workers`). `engine.close()` ends the other processes (a
+    server closes it when it stops)."""
+    shard, group = start_workers(model, world_size)
+    try:
+        return TensorParallelEngine(shard, *args, workers=group, **options)
+    except BaseException:
+        group.close()
+        raise
+
+
 def _follow(rank, world_size, device, inbox, args, state) -> None:
-    """A follower of `start_engine`: its shard, then `follow` (messages come over the group,
-    not the inbox). Ctrl-C at the terminal reaches every rank; only rank 0 acts on it."""
+    """A follower of `start_workers`: its shard, then `follow` its inbox. Ctrl-C at the
+    terminal reaches every rank; only rank 0 acts on it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    follow(load_shard(args, rank, world_size, state, device), device)
+    follow(load_shard(args, rank, world_size, state, device), device, inbox)
 
 
 class LocalWorkers:

@@ -449,14 +449,20 @@ def test_a_lost_or_reordered_message_is_refused_before_it_runs():
             engine.step()
 
 
-def test_the_engine_with_tensor_parallel_is_rank_0_here():
+def test_the_engine_with_tensor_parallel_is_rank_0_here(monkeypatch):
     """`Engine(..., tensor_parallel=2)`: this process runs rank 0's engine, one new process
-    follows; the tokens are one process's; close() ends it. A bad N starts nothing."""
+    follows; the tokens are one process's, also after idling past the collectives' timeout
+    (the follower waits on its inbox, not in a collective); close() ends it. A bad N starts
+    nothing."""
+    monkeypatch.setattr(ranks, "TIMEOUT", 2.0)
     model, ps = tiny_model(dtype=torch.float32), prompts()
     engine = Engine(model, 32, 4, tensor_parallel=2, max_num_seqs=4)
     try:
         assert isinstance(engine, TensorParallelEngine) and not no_ranks_left()
-        for p in ps:
+        engine.add_request(ps[0], 10, stop_tokens=[])
+        engine.run()
+        time.sleep(3.0)                                             # idle past the timeout
+        for p in ps[1:]:
             engine.add_request(p, 10, stop_tokens=[])
         out = [r.output for r in engine.run()]
     finally:
