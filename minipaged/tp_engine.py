@@ -12,7 +12,7 @@ in every layer, and the K/V of its own heads in those blocks. So, just before ea
     segments   [(seq_ids, new tokens each)]: one for a plain call, several for a packed one
     lengths    {seq_id: tokens it holds once this call's are in}, for the call's sequences
     tables     per layer, what changed in the block tables since the last message
-               (`step_changes`: ids appended, tables replaced, sequences gone)
+               (`step_changes`: ids appended, tables replaced, sequences gone); [] if nothing
     moves      in order, the K/V copies rank 0's pools made since then: ("copy", layer, from,
                to) copy-on-write, ("out", ...) pool -> CPU pool, ("in", ...) CPU -> pool
 
@@ -57,7 +57,8 @@ class StepMessage:
     segments: list                             # [(seq_ids, new tokens each)]
     packed: bool                               # segments packed in one row (a PackedBatch)
     lengths: dict                              # seq_id -> tokens held, this call's included
-    tables: list                               # per layer, `step_changes` since the last message
+    tables: list                               # per layer, `step_changes` since the last
+                                               # message ([]: no table changed)
     moves: list = field(default_factory=list)  # (kind, layer, from blocks, to blocks), in order
     last_only: bool = False
     logits_indices: list | None = None
@@ -137,6 +138,8 @@ class Messenger:
         lengths = {s: int(first.seq_lens[s]) for ids, _ in steps for s in ids}
         now = [block_tables(m) for m in c.managers]
         tables = [step_changes(b, a) for b, a in zip(self.sent_tables, now)]
+        if not any(any(changes.values()) for changes in tables):
+            tables = []                                 # most calls: no table changed
         moves, self.sent_tables = list(c.moves), now
         c.moves.clear()
         self.number += 1
@@ -223,7 +226,8 @@ class WorkerCache:
             for name in ("k_cache_paged", "v_cache_paged"):
                 d = getattr(to[layer], name)
                 d[dst] = getattr(frm[layer], name)[src].to(d.device)   # lists of block ids
-        self.tables = [apply_changes(t, c) for t, c in zip(self.tables, message.tables)]
+        if message.tables:
+            self.tables = [apply_changes(t, c) for t, c in zip(self.tables, message.tables)]
         self.lengths = {s: n for s, n in self.lengths.items() if s in self.tables[0]}
         self.lengths.update(message.lengths)
 
