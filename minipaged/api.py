@@ -28,7 +28,8 @@ from .disaggregated import Job, serve_disaggregated
 from .speculative import SpeculativeEngine
 from .ranks import run_ranks
 from .tensor_parallel import check_world_size, load_shard, rank_state_dict
-from .tp_engine import Group, TensorParallelEngine, follow, start_engine
+from .tp_engine import TensorParallelEngine
+from .tp_group import Group, follow, start_engine
 
 __all__ = ["Engine", "PAGED_OPTIONS", "beam_search", "generate"]
 PAGED_OPTIONS = ("block_size", "num_blocks", "kv_budget", "preemption", "num_cpu_blocks",

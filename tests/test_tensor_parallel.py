@@ -28,8 +28,8 @@ from minipaged import ranks
 from minipaged.ranks import run_ranks
 from minipaged.benchmarks import tensor_parallel as tp_benchmark
 from minipaged.tensor_parallel import block_tables, rank_state_dict
-from minipaged.tp_engine import (LocalWorkers, TensorParallelEngine, Worker, check_acks,
-                                 serve_ranks)
+from minipaged.tp_engine import LocalWorkers, TensorParallelEngine, Worker, check_acks
+from minipaged.tp_group import serve_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = list(range(5, 45))                                 # a 40-token shared prefix

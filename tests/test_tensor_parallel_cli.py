@@ -63,7 +63,7 @@ def test_chat_on_two_ranks_answers_as_one_process_and_leaves_none_behind():
 def test_a_bad_number_of_ranks_starts_no_process(monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("a process was started")
-    monkeypatch.setattr("minipaged.tp_engine.start_followers", started)
+    monkeypatch.setattr("minipaged.tp_group.start_followers", started)
     with pytest.raises(UsageError, match="tensor_parallel=3 cannot split"):
         serve_server.build(num_blocks=32, tensor_parallel=3)
 

@@ -33,7 +33,8 @@ from ..kv_budget import bytes_per_block
 from ..sizing import pool_blocks
 from ..ranks import run_ranks
 from ..tensor_parallel import check_world_size, load_shard, rank_state_dict
-from ..tp_engine import Group, LocalWorkers, TensorParallelEngine, follow
+from ..tp_engine import LocalWorkers, TensorParallelEngine
+from ..tp_group import Group, follow
 
 
 def _timed(fn, repeats: int) -> float:

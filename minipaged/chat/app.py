@@ -42,7 +42,8 @@ from ..kv_formats import stored_layout
 from ..sizing import pool_blocks
 from ..kv_cache import ContiguousCache
 from ..sharing import SharedPagedCache
-from ..tp_engine import DriverCache, Messenger, SendFirst, start_workers
+from ..tp_engine import DriverCache, Messenger, SendFirst
+from ..tp_group import start_workers
 from ..viz.terminal import WordWrap, blocks_view, stats_table, status_line
 from .conversation import Conversation
 from .demo import run_demo
