@@ -70,7 +70,8 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
     `minipaged.fast.FastEngine` runs the same steps faster).
 
     tensor_parallel=N (stage 9) serves cache="paged" on N processes, each holding 1/N of every
-    layer's heads and of their KV blocks (a kv_budget is then each process's); the same tokens.
+    layer's heads and of their KV blocks (a kv_budget is then each process's); rank 0's engine
+    schedules, the others follow its messages (`tp_engine.py`); the same tokens.
 
     disaggregated=True (stage 9b) prefills on one engine and decodes on another, in two
     processes, moving each prompt's KV blocks between them (the options size each engine's
