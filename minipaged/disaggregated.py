@@ -9,7 +9,9 @@ decode engine reads them: it finds how many leading blocks its own prefix cache 
 ids), pairs remote id -> local id (the remap), copies layer by layer, names the blocks in its
 prefix cache, and only then adds the request: its prefill finds the prompt cached and computes
 only the last block, whose logits give the first token. The decode side acknowledges, and the
-prefill side frees the held blocks — or frees them after `timeout` seconds without an answer.
+prefill side frees the held blocks — or frees them after `timeout` seconds without an answer:
+the deadline, which the announcement carries, so that the decode side gives up reading (and
+recomputes the prompt) before the blocks may be reused.
 
 The copy is a read of the prefill side's pool through shared memory, by block id (NIXL, which
 vLLM's P/D connector uses, reads a remote pool by block id over RDMA the same way); the small
@@ -19,9 +21,12 @@ after vLLM's `KVConnectorBase_V1` methods where they mean the same thing.
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +37,7 @@ from .sizing import pool_blocks
 from .speculative import SpeculativeEngine
 
 TIMEOUT = 30.0           # seconds the prefill side holds a request's blocks without an answer
+LOAD_MARGIN = 0.1        # the decode side gives up reading this many seconds before that
 
 
 class DisaggregationError(MiniPagedError):
@@ -45,6 +51,7 @@ class TransferStats:
     bytes_sent: int = 0          # K and V of every layer
     blocks_skipped: int = 0      # the decode side's prefix cache held them already: not copied
     loads_failed: int = 0        # a transfer that failed: the decode side recomputes the prompt
+    loads_timed_out: int = 0     # ... of them, reads that did not finish before the deadline
     seconds: float = 0.0         # spent copying
 
     @property
@@ -95,13 +102,14 @@ class PrefillConnector:
 
     def request_finished(self, key: int, seq_id: int) -> bool:
         """The prompt is in the cache: take one more reference on each of its blocks (as a fork
-        would, without a table row), so finishing the request frees nothing, and announce them.
-        True: the free is delayed (vLLM's `request_finished` answers the same)."""
+        would, without a table row), so finishing the request frees nothing, and announce them
+        with their deadline. True: the free is delayed (vLLM's `request_finished` says so too)."""
         ids = [m.blocks_of(seq_id) for m in self.cache.managers]
         for m, blocks in zip(self.cache.managers, ids):
-            m.refs[blocks] += 1
-        self.held[key] = (ids, self.clock() + self.timeout)
-        self.outbox.put((key, ids))
+            m.hold(blocks)
+        deadline = self.clock() + self.timeout
+        self.held[key] = (ids, deadline)
+        self.outbox.put((key, ids, deadline))
         return True
 
     def get_finished(self, acks) -> list[int]:
@@ -112,7 +120,7 @@ class PrefillConnector:
             ids, deadline = self.held[key]
             if key in acks or now >= deadline:
                 for m, blocks in zip(self.cache.managers, ids):
-                    m._release(blocks)           # one reference less: free, or cached-free
+                    m.let_go(blocks)             # one reference less: free, or cached-free
                 del self.held[key]
                 done.append(key)
                 if key in acks:
@@ -123,25 +131,64 @@ class PrefillConnector:
 
 
 class PrefillEngine(SpeculativeEngine):
-    """The stages' engine, giving each prompt's blocks to its connector when its prefill ends."""
+    """The stages' engine, giving each prompt's blocks to its connector when its prefill ends
+    (under the key the decode side knows the request by: `keys`, req_id -> key)."""
 
     connector: PrefillConnector
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.keys: dict[int, int] = {}
+
     def _first_tokens(self, r, logits):
-        self.connector.request_finished(r.req_id, r.seq_id)
+        self.connector.request_finished(self.keys.pop(r.req_id, r.req_id), r.seq_id)
         return super()._first_tokens(r, logits)
 
 
 # -- the decode side -----------------------------------------------------------------------------
+@dataclass
+class Faults:
+    """Faults to inject on the decode side, by request key (tests and the lesson's runs)."""
+    fail: set = field(default_factory=set)     # the load breaks after layer 0
+    hang: set = field(default_factory=set)     # the read of layer 1 never returns
+    die: set = field(default_factory=set)      # the decode process is killed (SIGKILL) as the
+                                               # announcement arrives: two processes only
+
+
+class LayerReads(threading.Thread):
+    """One request's blocks read out of the remote pool, layer by layer, in a thread beside the
+    engine (NIXL's reads run beside vLLM's engine the same way): `ready[layer]` is set once that
+    layer's blocks are copied out into `staged`. `cancel` stops it between two layers."""
+
+    def __init__(self, remote, ids_per_layer, hang: bool = False):
+        super().__init__(daemon=True, name="kv-reads")
+        self.remote, self.ids, self.hang = remote, ids_per_layer, hang
+        self.staged = [None] * len(ids_per_layer)
+        self.ready = [threading.Event() for _ in ids_per_layer]
+        self.cancel = threading.Event()
+
+    def run(self) -> None:
+        for layer, ((k, v), ids) in enumerate(zip(self.remote, self.ids)):
+            if self.hang and layer == 1:
+                self.cancel.wait()                # an injected read that never returns
+            if self.cancel.is_set():
+                return
+            src = torch.tensor(ids, dtype=torch.long)
+            self.staged[layer] = (k[src], v[src])     # (k, bs, Hk, D) each: copies, not views
+            self.ready[layer].set()
+
+
 class DecodeConnector:
     """The decode side's half: load a request's blocks from the prefill side's pool (`remote`:
     per layer, its (k, v) block tensors) into blocks of its own engine's pool."""
 
-    def __init__(self, engine, remote, fail_loads=(), record: bool = False):
+    def __init__(self, engine, remote, faults: Faults | None = None, record: bool = False):
         self.engine, self.remote = engine, remote
         self.stats = TransferStats()
         self.moves = [] if record else None       # every layer's Move of every request, to draw
-        self.fail_loads = set(fail_loads)         # keys whose load breaks after layer 0 (tests)
+        self.faults = faults or Faults()
+        self.reads: LayerReads | None = None      # the reads of the load in progress
+        self.deadline = 0.0                       # ... and when the decode side gives up on them
 
     def get_num_new_matched_tokens(self, prompt) -> tuple[int, int]:
         """(blocks the local prefix cache holds, blocks a prefill here may skip): the remote
@@ -150,10 +197,14 @@ class DecodeConnector:
         cache = self.engine.cache
         return len(cache.prefix_hits(prompt)[0]), (len(prompt) - 1) // cache.block_size
 
-    def start_load_kv(self, key: int, prompt, remote_ids) -> bool:
-        """Allocate local blocks for the prompt's loadable blocks (a spare row of the engine's
-        cache holds them for the while), copy the remote ones layer by layer, name them all in
-        the prefix cache, let go of the row. False (nothing kept): the prompt is recomputed."""
+    def start_load_kv(self, key: int, prompt, remote_ids, deadline: float) -> bool:
+        """Start reading the prompt's loadable blocks, allocate local blocks for them (a spare
+        row of the engine's cache holds them for the while), write them layer by layer as they
+        arrive, name them all in the prefix cache, let go of the row. A read not done by
+        `deadline` (when the prefill side may free its blocks) is given up. False (nothing
+        kept): the prompt is recomputed."""
+        if key in self.faults.die:
+            os.kill(os.getpid(), signal.SIGKILL)
         have, end = self.get_num_new_matched_tokens(prompt)
         self.stats.blocks_skipped += have
         if end <= have:
@@ -163,6 +214,10 @@ class DecodeConnector:
         if not rows:
             self.stats.loads_failed += 1
             return False
+        self.reads = LayerReads(self.remote, [ids[have:end] for ids in remote_ids],
+                                hang=key in self.faults.hang)
+        self.deadline = deadline - LOAD_MARGIN
+        self.reads.start()
         row, ok = rows.pop(), False
         try:
             cache.start(row, prompt, (end - have) * cache.block_size)
@@ -172,27 +227,33 @@ class DecodeConnector:
                 if self.moves is not None:
                     self.moves.append(Move(key, layer, list(remote_ids[layer]),
                                            m.blocks_of(row), have, end))
-                if key in self.fail_loads:
+                if key in self.faults.fail:
                     raise OSError(f"injected failure loading request {key}")
             cache.name_blocks(row, prompt[:end * cache.block_size])
             self.stats.blocks_sent += end - have
             ok = True
+        except TimeoutError:                         # the read hangs: give it up, recompute
+            self.stats.loads_failed += 1
+            self.stats.loads_timed_out += 1
         except (MiniPagedError, OSError):           # no room, or the copy broke: recompute
             self.stats.loads_failed += 1
         finally:
+            self.reads.cancel.set()
             if row in cache:
                 cache.free(row)                      # named blocks stay, cached-free
             rows.append(row)
         return ok
 
     def wait_for_layer_load(self, layer: int, pairs) -> None:
-        """Copy one layer's blocks: remote pool[remote id] -> local pool[local id]."""
-        start = time.perf_counter()
-        m, (k, v) = self.engine.cache.managers[layer], self.remote[layer]
-        src = torch.tensor([r for r, _ in pairs], dtype=torch.long)
+        """Wait for one layer's blocks to be read (until the deadline: else TimeoutError), then
+        write them: remote pool[remote id] -> local pool[local id]."""
+        start, left = time.perf_counter(), self.deadline - time.monotonic()
+        if left <= 0 or not self.reads.ready[layer].wait(left):     # (read late: maybe freed)
+            raise TimeoutError(f"layer {layer}'s blocks were not read before the deadline")
+        m, (k, v) = self.engine.cache.managers[layer], self.reads.staged[layer]
         dst = torch.tensor([loc for _, loc in pairs], dtype=torch.long, device=m.device)
-        m.k_cache_paged[dst] = k[src].to(m.device)                      # (k, bs, Hk, D)
-        m.v_cache_paged[dst] = v[src].to(m.device)
+        m.k_cache_paged[dst] = k.to(m.device)                            # (k, bs, Hk, D)
+        m.v_cache_paged[dst] = v.to(m.device)
         self.stats.bytes_sent += 2 * k[0].numel() * k.element_size() * len(pairs)
         self.stats.seconds += time.perf_counter() - start
 
@@ -233,15 +294,17 @@ def build_engine(cls, model, job: Job, prefill: bool):
     return cls(model, num_blocks, block_size, preemption, kv_budget=kv_budget, seed=seed, **o)
 
 
-def prefill_loop(engine: PrefillEngine, job: Job, acks, tick=None) -> dict:
-    """Prefill every prompt (one token each, thrown away: the decode side samples), holding its
-    blocks until acknowledged. `tick` (one process): run the decode side between steps."""
-    for p in job.prompts:
-        engine.add_request(p, 1, stop_tokens=[])
-    conn, got = engine.connector, set()
-    while engine.has_unfinished() or conn.held:
+def prefill_loop(engine: PrefillEngine, inbox, acks, tick=None, drain: bool = True) -> dict:
+    """Prefill each prompt that arrives in `inbox` as (key, prompt) — one token each, thrown
+    away: the decode side samples — until None arrives there, holding each prompt's blocks
+    until `acks` brings its key or its deadline passes; then finish (`drain=False`, a server
+    stopping: at once). `tick` (one process): run the decode side between steps."""
+    conn, got, more = engine.connector, set(), True
+    while more or (drain and (engine.has_unfinished() or conn.held)):
+        idle = not engine.has_unfinished() and tick is None
+        more = more and take_prompts(engine, inbox, wait=0.005 if idle else 0.0)
         if engine.has_unfinished():
-            engine.step()
+            engine.release(engine.step())            # a server runs for weeks: forget them
         if tick:
             tick()
         try:
@@ -249,10 +312,34 @@ def prefill_loop(engine: PrefillEngine, job: Job, acks, tick=None) -> dict:
                 got.add(acks.get_nowait())
         except queue.Empty:
             pass
-        if not conn.get_finished(got) and not engine.has_unfinished() and not tick:
-            time.sleep(0.005)
+        got -= set(conn.get_finished(got))
+        if not more and not engine.has_unfinished() and not tick:
+            time.sleep(0.005)                         # only held blocks left: wait for acks
     return {"leaked": leaked_blocks(engine.cache), "freed_by_ack": conn.freed_by_ack,
             "freed_by_timeout": conn.freed_by_timeout}
+
+
+def take_prompts(engine: PrefillEngine, inbox, wait: float) -> bool:
+    """Add the prompts waiting in `inbox` (waiting up to `wait` seconds for the first); False
+    once None has come: no more will."""
+    try:
+        message = inbox.get(timeout=wait) if wait else inbox.get_nowait()
+        while message is not None:
+            key, prompt = message
+            engine.keys[engine.add_request(prompt, 1, stop_tokens=[]).req_id] = key
+            message = inbox.get_nowait()
+        return False
+    except queue.Empty:
+        return True
+
+
+def prompts_inbox(prompts) -> queue.Queue:
+    """Every prompt of a batch, keyed by its index, then None: what `prefill_loop` reads."""
+    inbox = queue.Queue()
+    for key, p in enumerate(prompts):
+        inbox.put((key, p))
+    inbox.put(None)
+    return inbox
 
 
 def decode_tick(engine, job: Job, inbox, acks, groups: dict) -> None:
@@ -260,9 +347,9 @@ def decode_tick(engine, job: Job, inbox, acks, groups: dict) -> None:
     conn = engine.connector
     try:
         while True:
-            key, ids = inbox.get_nowait()
+            key, ids, deadline = inbox.get_nowait()
             prompt, n = job.prompts[key], job.n
-            conn.start_load_kv(key, prompt, ids)
+            conn.start_load_kv(key, prompt, ids, deadline)
             acks.put(key)                        # loaded or not, the held blocks may go
             gens = [row_generator(job.seed, key * n + j) if job.temperature > 0 else None
                     for j in range(n)]
@@ -282,56 +369,75 @@ def decode_report(engine, groups, num_prompts, n) -> dict:
             "preemptions": engine.stats.preemptions, "cached_tokens": engine.stats.cached_tokens}
 
 
-def serve_in_one_process(model, job: Job, fail_loads=(), timeout: float = TIMEOUT,
+def serve_in_one_process(model, job: Job, faults: Faults | None = None, timeout: float = TIMEOUT,
                          record: bool = False) -> dict:
     """Both engines in this process, taking turns (for tests and drawings: the same connector,
     the same loops, without the processes)."""
-    inbox, acks = queue.Queue(), queue.Queue()
+    if faults is not None and faults.die:
+        raise RequestError("Faults(die=...) kills the decode process: only serve_disaggregated "
+                           "runs it in a process of its own")
+    announcements, acks = queue.Queue(), queue.Queue()
     p = build_engine(PrefillEngine, model, job, prefill=True)
-    p.connector = PrefillConnector(p.cache, inbox, timeout)
+    p.connector = PrefillConnector(p.cache, announcements, timeout)
     d = build_engine(SpeculativeEngine, model, job, prefill=False)
     d.connector = DecodeConnector(d, [(m.k_cache_paged, m.v_cache_paged) for m in p.cache.managers],
-                                  fail_loads, record)
+                                  faults, record)
     groups = {}
-    prefill = prefill_loop(p, job, acks, tick=lambda: decode_tick(d, job, inbox, acks, groups))
-    while d.has_unfinished() or not inbox.empty():
-        decode_tick(d, job, inbox, acks, groups)
+    prefill = prefill_loop(p, prompts_inbox(job.prompts), acks,
+                           tick=lambda: decode_tick(d, job, announcements, acks, groups))
+    while d.has_unfinished() or not announcements.empty():
+        decode_tick(d, job, announcements, acks, groups)
     return {"prefill": prefill, "decode": decode_report(d, groups, len(job.prompts), job.n),
             "engines": (p, d)}
 
 
 # -- two processes -------------------------------------------------------------------------------
-def serve_disaggregated(model, job: Job, fail_loads=(), timeout: float = TIMEOUT) -> dict:
-    """The prefill engine in one process, the decode engine in another (`run_ranks`: both end,
-    with one error, when either fails or dies); their reports, as `serve_in_one_process`'s."""
+def serve_disaggregated(model, job: Job, faults: Faults | None = None,
+                        timeout: float = TIMEOUT) -> dict:
+    """The prefill engine in one process, the decode engine in another; their reports, as
+    `serve_in_one_process`'s. If either fails or dies, one DisaggregationError names it: a dead
+    prefill engine ends the decode engine at once; a dead decode engine leaves the prefill
+    engine `timeout` seconds to free what it holds, and its report is the error's `prefill`."""
     ctx = torch.multiprocessing.get_context("spawn")
     links = (ctx.Queue(), ctx.Queue(), ctx.Queue())           # pools, announcements, acks
     try:
-        prefill, decode = run_ranks(_side, 2, (model, job, links, fail_loads, timeout),
-                                    timeout=timeout)
-    except TensorParallelError as e:                          # its words name ranks: ours sides
-        said = str(e).replace("tensor parallel: ", "").replace("rank 0 of 2", "the prefill engine")
-        raise DisaggregationError("disaggregated: " + said.replace("rank 1 of 2", "the decode "
-                                                                   "engine")) from None
+        prefill, decode = run_ranks(_side, 2, (model, job, links, faults, timeout),
+                                    timeout=timeout, grace={1: timeout + 5.0})
+    except TensorParallelError as e:
+        said, prefill = side_names(str(e)), e.results.get(0)
+        if prefill is not None:                    # the decode engine died; the prefill ended
+            said = (f"{said.split(';')[0]}; the prefill engine then freed what it held and "
+                    f"ended ({prefill['leaked']} blocks left in use)")
+        error = DisaggregationError(said)
+        error.prefill = prefill
+        raise error from None
     return {"prefill": prefill, "decode": decode}
 
 
-def _side(rank, world_size, device, model, job, links, fail_loads, timeout) -> dict:
+def side_names(said: str) -> str:
+    """stage 9's error line, its ranks named as the two sides."""
+    said = said.replace("tensor parallel: ", "").replace("rank 0 of 2", "the prefill engine")
+    said = said.replace("the other ranks were stopped", "the other engine was stopped")
+    return "disaggregated: " + said.replace("rank 1 of 2", "the decode engine").replace(
+        "every rank was stopped", "both were stopped")
+
+
+def _side(rank, world_size, device, model, job, links, faults, timeout) -> dict:
     """Rank 0 prefills, rank 1 decodes."""
-    pools, inbox, acks = links
+    pools, announcements, acks = links
     if rank == 0:
         engine = build_engine(PrefillEngine, model, job, prefill=True)
-        engine.connector = PrefillConnector(engine.cache, inbox, timeout)
+        engine.connector = PrefillConnector(engine.cache, announcements, timeout)
         for m in engine.cache.managers:           # the decode side reads these, by block id
             m.k_cache_paged.share_memory_(), m.v_cache_paged.share_memory_()
         pools.put([(m.k_cache_paged, m.v_cache_paged) for m in engine.cache.managers])
-        return prefill_loop(engine, job, acks)
+        return prefill_loop(engine, prompts_inbox(job.prompts), acks)
     engine = build_engine(SpeculativeEngine, model, job, prefill=False)
-    engine.connector = DecodeConnector(engine, pools.get(timeout=timeout), fail_loads)
+    engine.connector = DecodeConnector(engine, pools.get(timeout=timeout), faults)
     groups, quiet_since = {}, time.monotonic()
     while len(groups) < len(job.prompts) or engine.has_unfinished():
         before = len(groups)
-        decode_tick(engine, job, inbox, acks, groups)
+        decode_tick(engine, job, announcements, acks, groups)
         if len(groups) > before or engine.has_unfinished():
             quiet_since = time.monotonic()
         elif time.monotonic() - quiet_since > timeout:

@@ -58,8 +58,9 @@ def _rank_main(rank, world_size, backend, store, timeout, threads, parent, fn, a
     try:
         if backend == "nccl":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout))
+        if backend is not None:             # (None: processes that need no collective)
+            dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
+                                    world_size=world_size, timeout=timedelta(seconds=timeout))
         value = fn(rank, world_size, device, *args)
         results.put(("ok", rank, pickle.dumps(value)))   # a copy: the rank exits after this
     except MiniPagedError as e:          # the request or the model refused: the same on every rank
@@ -73,11 +74,13 @@ def _rank_main(rank, world_size, backend, store, timeout, threads, parent, fn, a
 
 
 def run_ranks(fn, world_size: int, args=(), device="cpu", timeout: float | None = None,
-              threads: int | None = None) -> list:
+              threads: int | None = None, grace: dict | None = None) -> list:
     """Run fn(rank, world_size, device, *args) in `world_size` new processes joined in one
     torch.distributed group; return each rank's result, in rank order. If a rank fails, dies or
-    goes silent for `timeout` seconds, every rank is ended and one TensorParallelError names it;
-    a refusal (a MiniPagedError) comes back as itself. No process outlives this call."""
+    goes silent for `timeout` seconds, every rank is ended and one TensorParallelError names it
+    (its `results`: what the ranks that finished returned); a refusal (a MiniPagedError) comes
+    back as itself. The others may finish for a second after a rank failed, or `grace[rank]`
+    seconds. No process outlives this call."""
     device, timeout, backend, fn, threads, ctx, results, folder = _prepare(
         fn, world_size, device, timeout, threads)
     procs = [ctx.Process(target=_rank_main, name=f"minipaged-rank{r}", daemon=True,
@@ -88,7 +91,7 @@ def run_ranks(fn, world_size: int, args=(), device="cpu", timeout: float | None 
         with _main_not_rerun():
             for p in procs:
                 p.start()
-        return _collect(procs, results, timeout)
+        return _collect(procs, results, timeout, grace or {})
     finally:
         _end(procs)
         shutil.rmtree(folder, ignore_errors=True)
@@ -134,22 +137,26 @@ def _main_not_rerun():
         main.__dict__.update(saved)
 
 
-def _collect(procs, results, timeout):
+def _collect(procs, results, timeout, grace):
     """Wait for every rank's report; on the first failure, name the rank that caused it."""
     reports = {}          # a rank that hangs makes the others' collectives time out: they report
+    first = None          # the rank that failed or died first
     while len(reports) < len(procs):
         try:
             kind, rank, *rest = results.get(timeout=0.1)
             reports[rank] = (kind, *rest)
             if kind != "ok":
+                first = rank
                 break
         except queue.Empty:
             pass
-        if any(p.exitcode not in (None, 0) for p in procs):
+        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if dead:
+            first = dead[0]
             break
     else:
         return [pickle.loads(reports[r][1]) for r in range(len(procs))]
-    deadline = time.monotonic() + 1.0       # the others notice the broken group; hear them out
+    deadline = time.monotonic() + grace.get(first, 1.0)   # the others notice: hear them out
     while time.monotonic() < deadline and len(reports) < len(procs):
         try:
             kind, rank, *rest = results.get(timeout=0.05)
@@ -157,7 +164,10 @@ def _collect(procs, results, timeout):
         except queue.Empty:
             if all(p.exitcode is not None or p.pid is None for p in procs):
                 break
-    raise _blame(procs, reports, timeout)
+    error = _blame(procs, reports, timeout)
+    error.results = {r: pickle.loads(rest[0]) for r, (kind, *rest) in reports.items()
+                     if kind == "ok"}
+    raise error
 
 
 def _blame(procs, reports, timeout) -> MiniPagedError:
@@ -216,8 +226,8 @@ class Followers:
     TensorParallelError naming a follower that died; `close()` ends them all and leaves the
     group. No follower outlives `close()`, nor the caller."""
 
-    def __init__(self, procs, inboxes, results, folder, timeout):
-        self.procs, self.inboxes, self.results = procs, inboxes, results
+    def __init__(self, procs, inboxes, results, folder, timeout, group=True):
+        self.procs, self.inboxes, self.results, self.group = procs, inboxes, results, group
         self.folder, self.timeout, self.closed = folder, timeout, None
 
     def check(self) -> None:
@@ -253,37 +263,41 @@ class Followers:
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
         _end(self.procs)
-        if dist.is_initialized():
+        if self.group and dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def start_followers(fn, world_size: int, rank_args, device="cpu", timeout: float | None = None,
-                    threads: int | None = None) -> Followers:
+                    threads: int | None = None, group: bool = True) -> Followers:
     """Start ranks 1..N-1, each running fn(rank, world_size, device, inbox, *rank_args[rank - 1])
     (inbox: the queue `Followers.send` fills; None in it means stop), and join the caller's own
     process to their group as rank 0. For programs that answer one request after another (the
-    chat, the server), where `run_ranks`' one call and its results do not fit."""
-    if dist.is_initialized():
+    chat, the server), where `run_ranks`' one call and its results do not fit. `group=False`:
+    the same processes, watched the same way, with no torch.distributed group (stage 9b's
+    prefill engine talks through queues and shared memory)."""
+    if group and dist.is_initialized():
         raise UsageError("this process is already in a torch.distributed group; tensor "
                          "parallelism starts its own")
     device, timeout, backend, fn, threads, ctx, results, folder = _prepare(
         fn, world_size, device, timeout, threads)
+    backend = backend if group else None
     inboxes = [ctx.Queue() for _ in range(1, world_size)]
     store = os.path.join(folder, "store")
     procs = [ctx.Process(target=_rank_main, name=f"minipaged-rank{r}", daemon=True,
                          args=(r, world_size, backend, store, timeout, threads, os.getpid(),
                                fn, (inboxes[r - 1], *rank_args[r - 1]), results))
              for r in range(1, world_size)]
-    followers = Followers(procs, inboxes, results, folder, timeout)
+    followers = Followers(procs, inboxes, results, folder, timeout, group)
     try:
         with _main_not_rerun():
             for p in procs:
                 p.start()
         if device.type == "cuda":
             torch.cuda.set_device(torch.device("cuda", 0))
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=0,
-                                world_size=world_size, timeout=timedelta(seconds=timeout))
+        if group:
+            dist.init_process_group(backend, init_method=f"file://{store}", rank=0,
+                                    world_size=world_size, timeout=timedelta(seconds=timeout))
     except BaseException:
         followers.close()
         raise

@@ -153,6 +153,15 @@ class SharedCacheManager(CacheManager):
         self.refs[blocks] = 1
         return blocks
 
+    def hold(self, blocks) -> None:
+        """One more reference on each block, held outside every block table (stage 9b: the
+        prefill side keeps a request's blocks until the decode side has read them)."""
+        self.refs[blocks] += 1
+
+    def let_go(self, blocks) -> None:
+        """Give back a `hold`: each block loses the reference it added."""
+        self._release(blocks)
+
     def _release(self, blocks) -> None:
         """Each block loses one reference; those at zero go back to the free set, or, if named
         by a hash, to the cached-free queue."""

@@ -103,6 +103,14 @@ CASES = {   # module: {argv: what the error line names (None: answered)}
         ("--random-model", "--long-prompt", "5000"): ["positions"],
         ("--model", "/nonexistent/model"): ["/nonexistent/model"],
     },
+    "disaggregated_latency": {
+        ("--chats", "0"): ["--chats"],
+        ("--repeats", "0"): ["--repeats"],
+        ("--budget", "-1"): ["--budget"],
+        ("--long-prompt", "5000"): ["positions"],
+        ("--chats", "1", "--chat-tokens", "4", "--long-prompt", "40", "--long-every", "2",
+         "--repeats", "1"): None,
+    },
     "smollm2": {
         ("--new-tokens", "0"): ["--new-tokens"],
         ("--repeats", "0"): ["--repeats"],

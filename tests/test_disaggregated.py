@@ -16,9 +16,10 @@ import torch
 
 from conftest import tiny_model
 from minipaged import generate
-from minipaged.disaggregated import (DisaggregationError, Job, PrefillConnector, PrefillEngine,
-                                     build_engine, leaked_blocks, prefill_loop, remap,
-                                     serve_disaggregated, serve_in_one_process)
+from minipaged.disaggregated import (LOAD_MARGIN, DisaggregationError, Faults, Job,
+                                     PrefillConnector, PrefillEngine, build_engine, leaked_blocks,
+                                     prefill_loop, prompts_inbox, remap, serve_disaggregated,
+                                     serve_in_one_process)
 from minipaged.errors import RequestError
 
 
@@ -118,7 +119,7 @@ def test_a_failed_transfer_is_recomputed():
     it took and recomputes those prompts; the same tokens, both pools clean."""
     model = tiny_model()
     ps = prompts([14, 17, 30, 22])
-    report = serve_in_one_process(model, job(ps, 6), fail_loads={1, 3})
+    report = serve_in_one_process(model, job(ps, 6), Faults(fail={1, 3}))
     assert report["decode"]["outputs"] == reference(model, ps, 6)
     assert report["decode"]["transfer"].loads_failed == 2
     check_clean(report, len(ps))
@@ -132,7 +133,7 @@ def test_the_prefill_side_frees_what_nobody_acknowledges_after_the_timeout():
     engine = build_engine(PrefillEngine, model, j, prefill=True)
     engine.connector = PrefillConnector(engine.cache, queue.Queue(), timeout=0.3)
     start = time.monotonic()
-    report = prefill_loop(engine, j, queue.Queue())
+    report = prefill_loop(engine, prompts_inbox(j.prompts), queue.Queue())
     assert time.monotonic() - start < 0.3 + 5.0
     assert report == {"leaked": 0, "freed_by_ack": 0, "freed_by_timeout": 3}
 
@@ -179,6 +180,19 @@ def kill_rank_once_met(rank, after):
     return sent
 
 
+def test_blocks_announced_past_their_deadline_are_not_read_but_recomputed():
+    """A hold shorter than the decode side's margin: every deadline has passed by the time the
+    decode side would read (the prefill side may have reused those blocks): it reads nothing and
+    recomputes every prompt, with the same tokens."""
+    model = tiny_model()
+    ps = prompts([14, 17, 30])
+    report = serve_in_one_process(model, job(ps, 6), timeout=LOAD_MARGIN / 2)
+    assert report["decode"]["outputs"] == reference(model, ps, 6)
+    t = report["decode"]["transfer"]
+    assert t.loads_timed_out == t.loads_failed == len(ps) and t.blocks_sent == 0
+    assert report["prefill"]["leaked"] == 0 == report["decode"]["leaked"]
+
+
 def test_a_killed_prefill_engine_ends_the_call_with_an_error():
     """SIGKILL the prefill engine as the two start (the decode side then waits for its pool):
     one error naming it, within seconds, not the 30 s the decode side would wait, and no
@@ -200,13 +214,47 @@ def test_what_cannot_run_disaggregated_is_refused_before_any_process(extra):
         generate(tiny_model(), prompts([5]), 2, **options)
 
 
-def test_a_killed_decode_engine_ends_the_call_with_an_error():
-    """SIGKILL the decode engine as the two start: one error naming it, no process left (the
-    prefill engine is stopped with it; on its own it would free its held blocks at the
-    timeout, as the test without a decode side shows)."""
-    sent = kill_rank_once_met(1, 0.3)
-    with pytest.raises(DisaggregationError, match=r"the decode engine died \(killed by SIGKILL"):
-        generate(tiny_model(dtype=torch.float32), prompts([100] * 8), 100, cache="paged",
-                 stop_tokens=[], disaggregated=True)
-    assert sent and time.monotonic() - sent[0] < 5.0
-    assert not [p for p in multiprocessing.active_children() if p.name.startswith("minipaged")]
+def no_process_left():
+    return not [p for p in multiprocessing.active_children() if p.name.startswith("minipaged")]
+
+
+def test_a_killed_decode_engine_leaves_the_prefill_side_to_free_what_it_held():
+    """Two processes; the decode engine is SIGKILLed as request 1's blocks are announced. One
+    error names it; the prefill engine, left running, frees every block it held at the timeout
+    (its report rides on the error), and then no process is left."""
+    model = tiny_model()
+    ps = prompts([14, 17, 30, 22])
+    start = time.monotonic()
+    with pytest.raises(DisaggregationError, match=r"the decode engine died \(killed by SIGKILL") \
+            as e:
+        serve_disaggregated(model, job(ps, 6), Faults(die={1}), timeout=1.0)
+    assert time.monotonic() - start < 1.0 + 20.0
+    assert "the prefill engine then freed what it held and ended (0 blocks left in use)" in \
+        str(e.value)
+    prefill = e.value.prefill
+    assert prefill["leaked"] == 0 and prefill["freed_by_timeout"] >= 3, prefill
+    assert prefill["freed_by_ack"] + prefill["freed_by_timeout"] == len(ps)
+    assert no_process_left()
+
+
+def test_a_hanging_transfer_is_given_up_at_the_deadline_and_recomputed():
+    """A request's read of layer 1 never returns (it hangs; nothing fails): the decode side
+    gives it up before the prefill side's deadline and recomputes the prompt. The same tokens,
+    both pools clean — in one process (the last request hangs: one thread waits on it, and the
+    announcements behind it would age past their deadlines too), and in two."""
+    model = tiny_model()
+    ps = prompts([14, 17, 30, 22])
+    start = time.monotonic()
+    report = serve_in_one_process(model, job(ps, 6), Faults(hang={3}), timeout=0.5)
+    assert 0.3 < time.monotonic() - start < 0.5 + 10.0      # it waited, for the deadline only
+    assert report["decode"]["outputs"] == reference(model, ps, 6)
+    t = report["decode"]["transfer"]
+    assert t.loads_timed_out == 1 and t.loads_failed == 1 and t.blocks_sent > 0
+    check_clean(report, len(ps))
+    report = serve_disaggregated(model, job(ps, 6), Faults(hang={1}), timeout=2.0)
+    assert report["decode"]["outputs"] == reference(model, ps, 6)
+    assert report["decode"]["transfer"].loads_timed_out >= 1
+    p = report["prefill"]
+    assert p["leaked"] == 0 and report["decode"]["leaked"] == 0
+    assert p["freed_by_ack"] + p["freed_by_timeout"] == len(ps)
+    assert no_process_left()

@@ -10,10 +10,14 @@ Two kinds of prompt, each at batch 1 (one request at a time) and at 16 requests 
     lookup finds drafts the model agrees with;
   * open chat: short questions, where the answer shares little with the prompt.
 
-Three ways serve the same requests on the same engine (the speed layer's `FastEngine`, which
-takes stage 7's options), greedy: plain decoding, speculation with `draft_policy="fixed"`
-(every step drafts up to k) and with `draft_policy="adaptive"` (drafts that adapt to their
-acceptance and to the batch, the default). Their tokens must be the same (column "same").
+Three ways serve the same requests on the speed layer (`FusedLlama`, whose products stream the
+weights once for all the rows of a step — so a verify pass over a few tokens costs about what a
+plain step does at batch 1 — on `FastEngine`, which takes stage 7's options; `--stage-model`:
+stage 1's `Llama` instead, whose products cost clearly more for a few rows than for one; the
+step costs printed below the table say how much), greedy: plain decoding, speculation with
+`draft_policy="fixed"` (every step drafts up to k) and with `draft_policy="adaptive"` (drafts
+that adapt to their acceptance and to the batch, the default). Their tokens must be the same
+(column "same").
 The ways are taken in turn `--repeat` times, and each keeps its fastest time.
 Columns: per policy, acceptance rate (accepted drafts / drafts run), tokens a decoding sequence
 gains per step (1.0 without speculation) and tokens/s; plain tokens/s; each policy's speed-up
@@ -38,7 +42,7 @@ from rich.table import Table
 from .. import cli
 from ..api import generate
 from ..draft_policy import measured_costs
-from ..fast import FastEngine
+from ..fast import FastEngine, FusedLlama
 from ..formats import chat_format, load_model, load_tokenizer, packaged_model_path
 from ..speculative import ngram_propose
 
@@ -169,6 +173,8 @@ def main(argv=None):
     p.add_argument("--min-n", type=cli.whole(1, 4), default=2,
                    help="prompt_lookup_min: the shortest n-gram matched (the longest is 4)")
     p.add_argument("--threads", type=cli.whole(1), default=1)
+    p.add_argument("--stage-model", action="store_true",
+                   help="serve on stage 1's Llama instead of the speed layer's FusedLlama")
     p.add_argument("--repeat", type=cli.whole(1), default=3,
                    help="plain and speculative runs taken in turn; each keeps its fastest")
     args = p.parse_args(argv)
@@ -176,6 +182,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     path = packaged_model_path("smollm2") if args.model == "smollm2" else args.model
     model, tok = load_model(path), load_tokenizer(path)
+    if not args.stage_model:
+        model = FusedLlama(model)                        # the speed layer's products
     console = Console(width=None if sys.stdout.isatty() else 160)
     t = Table(title=f"Speculative decoding (stage 7): n-gram drafts, k={args.k}, greedy")
     columns = [f"{p} {c}" for p in POLICIES for c in ("acceptance", "tokens/step", "tok/s")]
@@ -200,7 +208,7 @@ def main(argv=None):
                 matches[kind] = first_draft_kept(reqs, ways[0][0] or [])
     t.caption = (f"{args.new_tokens} new tokens per request, stop tokens ignored; batch 1 serves "
                  f"{args.single} requests one after the other; the fastest of {args.repeat} "
-                 f"runs each, taken in turn. FastEngine; {torch.get_num_threads()} torch "
+                 f"runs each, taken in turn. FastEngine on {type(model).__name__}; {torch.get_num_threads()} torch "
                  f"thread(s), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.")
     console.print(t)
     console.print("The adaptive policy's measured step costs (a verify pass over a plain step): "

@@ -59,6 +59,9 @@ def build_parser():
     p.add_argument("--tensor-parallel", type=cli.whole(1), default=1, metavar="N",
                    help="split the model and its KV blocks by heads over N processes (stage 9; "
                    "N must divide the model's KV heads; default 1)")
+    p.add_argument("--disaggregated", action="store_true",
+                   help="prefill on one engine, in a process of its own, and decode on another; "
+                   "each prompt's KV blocks move between them (stage 9b)")
     p.add_argument("--drain-seconds", type=cli.number(at_least=0), default=5.0,
                    help="after Ctrl-C or SIGTERM, how long answers in flight may finish "
                    "before they are aborted")
@@ -77,7 +80,8 @@ def main(argv=None) -> int:
                             args.max_num_batched_tokens, not args.no_prefix_caching,
                             args.max_model_len, args.max_waiting, kv_dtype=args.kv_dtype,
                             max_body_bytes=args.max_body_bytes or MAX_BODY_BYTES,
-                            tensor_parallel=args.tensor_parallel)
+                            tensor_parallel=args.tensor_parallel,
+                            disaggregated=args.disaggregated)
     e = loop.engine
     print(f"minipaged serving {args.model or 'embedded'}: {e.cache.num_blocks} blocks of "
           f"{e.cache.block_size} tokens, context {e.max_seq_len}; the pool live at "
@@ -89,7 +93,8 @@ def main(argv=None) -> int:
     finally:
         loop.stop()
         sock.close()
-        if hasattr(e, "close"):         # --tensor-parallel: the other ranks end with the server
+        if hasattr(e, "close"):         # --tensor-parallel, --disaggregated: the other
+                                        # processes end with the server
             e.close()
     print("minipaged serve: stopped", file=sys.stderr, flush=True)
     return 0

@@ -202,7 +202,8 @@ class EngineLoop:
             log.exception("an engine step failed; its requests are ended with an error")
             s = self.engine.scheduler
             why = f"the engine failed on this request ({type(e).__name__}: {e})"
-            ran = list(s.running) + list(getattr(s, "prefilling", ()))
+            ran = list(getattr(e, "requests", ())) or \
+                list(s.running) + list(getattr(s, "prefilling", ()))   # (9b: the error names them)
             if not ran:                       # it failed before running any: all would wait on it
                 ran = list(self.engine.pending) + list(s.waiting) + list(s.swapped)
             for r in ran:
@@ -315,7 +316,18 @@ def counters(engine, loop) -> dict:
         "preemptions": st.preemptions, "cached_tokens": st.cached_tokens,
         "generated_tokens": st.generated_tokens, "steps": st.steps,
         "refused": loop.refused, "aborted": loop.aborted, "failed": loop.failed,
+        **transfer_counters(engine),
     }
+
+
+def transfer_counters(engine) -> dict:
+    """A disaggregated engine's loads (stage 9b's `TransferStats`); nothing for the others."""
+    t = getattr(getattr(engine, "connector", None), "stats", None)
+    if t is None:
+        return {}
+    return {"blocks_sent": t.blocks_sent, "bytes_sent": t.bytes_sent,
+            "blocks_skipped": t.blocks_skipped, "loads_failed": t.loads_failed,
+            "transfer_seconds": round(t.seconds, 6)}
 
 
 def pool_state(engine, loop) -> dict:

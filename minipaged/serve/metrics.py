@@ -28,11 +28,25 @@ METRICS = [
      "samples ended by an engine step that failed (the server logged why)", "failed"),
 ]
 
+TRANSFER_METRICS = [   # --disaggregated (stage 9b): the decode engine's loads from the prefill one
+    ("minipaged_kv_transfer_blocks_total", "counter",
+     "KV blocks loaded from the prefill engine (each block: every layer)", "blocks_sent"),
+    ("minipaged_kv_transfer_bytes_total", "counter", "bytes of K and V loaded", "bytes_sent"),
+    ("minipaged_kv_transfer_skipped_blocks_total", "counter",
+     "blocks not loaded: the decode engine's prefix cache held them", "blocks_skipped"),
+    ("minipaged_kv_transfer_failed_total", "counter",
+     "loads given up (failed, or not read by the deadline): the prompt was recomputed",
+     "loads_failed"),
+    ("minipaged_kv_transfer_seconds_total", "counter", "seconds spent writing loaded blocks",
+     "transfer_seconds"),
+]
+
 
 def prometheus_text(state: dict) -> str:
     """One `# HELP`, one `# TYPE` and one sample line per metric."""
     lines = []
-    for name, kind, help_text, key in METRICS:
+    for name, kind, help_text, key in METRICS + (TRANSFER_METRICS if "blocks_sent" in state
+                                                 else []):
         value = state[key]
         value = len(value) if isinstance(value, list) else value
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]

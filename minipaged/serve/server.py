@@ -13,6 +13,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..api import Engine
 from ..chat.options import model_path
+from ..disaggregated_engine import DisaggregatedEngine
 from ..errors import UsageError
 from ..formats import load_model, load_tokenizer
 from ..sizing import pool_blocks
@@ -27,12 +28,17 @@ def build(model=None, dtype=torch.float32, block_size: int = 16, num_blocks=None
           kv_budget=None, preemption: str = "recompute", max_num_seqs: int = 64,
           max_num_batched_tokens=None, prefix_caching: bool = True, max_model_len=None,
           max_waiting: int = 64, record: bool = False, kv_dtype=None,
-          max_body_bytes: int = MAX_BODY_BYTES, tensor_parallel: int = 1):
+          max_body_bytes: int = MAX_BODY_BYTES, tensor_parallel: int = 1,
+          disaggregated: bool = False):
     """The model, its engine in a loop, and the app; `model` as the chat's --model.
     `record=True` keeps the engine's `history` of steps, for the drawings of `minipaged.viz`;
     `kv_dtype="int8"` stores the KV blocks as int8 codes with their scales (stage 4b);
     `tensor_parallel=N` runs the engine on N processes (stage 9): the loop drives rank 0's, in
-    this process, whose model calls the other ranks follow (`loop.engine.close()` ends them)."""
+    this process, whose model calls the other ranks follow (`loop.engine.close()` ends them);
+    `disaggregated=True` prefills on an engine in another process and decodes on the loop's
+    (stage 9b; `loop.engine.close()` ends the other)."""
+    if disaggregated:
+        check_disaggregated(tensor_parallel, kv_dtype, prefix_caching)
     path = model_path(model) if model else None
     llama = load_model(path, dtype=dtype)
     tokenizer = load_tokenizer(path)
@@ -42,11 +48,28 @@ def build(model=None, dtype=torch.float32, block_size: int = 16, num_blocks=None
     options = dict(kv_budget=kv_budget, max_num_seqs=max_num_seqs, max_seq_len=context,
                    prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
                    record=record, kv_dtype=kv_dtype)
-    engine = Engine(llama, num_blocks, block_size, preemption, tensor_parallel=tensor_parallel,
-                    **options)
+    if disaggregated:
+        engine = DisaggregatedEngine(llama, num_blocks, block_size, preemption, **options)
+    else:
+        engine = Engine(llama, num_blocks, block_size, preemption,
+                        tensor_parallel=tensor_parallel, **options)
     loop = EngineLoop(engine, max_waiting=max_waiting)
     name = model or "embedded"
     return loop, create_app(loop, tokenizer, name, max_body_bytes), tokenizer, llama
+
+
+def check_disaggregated(tensor_parallel: int, kv_dtype, prefix_caching: bool) -> None:
+    """What disaggregated serving cannot combine with, refused before the model loads."""
+    if tensor_parallel != 1:
+        raise UsageError(f"disaggregated serving runs each engine in one process: it cannot "
+                         f"combine with tensor_parallel={tensor_parallel} (--tensor-parallel); "
+                         f"drop one of them")
+    if kv_dtype is not None:
+        raise UsageError(f"disaggregated serving moves the pool's K and V as they are: it cannot "
+                         f"combine with kv_dtype={kv_dtype} (--kv-dtype); drop one of them")
+    if not prefix_caching:
+        raise UsageError("disaggregated serving finds the blocks it moved by the prefix cache: "
+                         "it cannot run without it; drop --no-prefix-caching")
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -56,7 +56,8 @@ each changes); `plot_pool` draws rank 0's pool.
 
 Stage 9b (disaggregation): `plot_move` (one request's blocks in the prefill side's pool and in
 the decode side's, an arrow for each block moved with its remapped id, the skipped ones marked),
-from a recorded `Move`.
+from a recorded `Move`; `plot_step_times` (the chats' engine's steps on a timeline, colocated
+and disaggregated, from `benchmarks.disaggregated_latency`).
 
 The chat (`terminal`): rich views of a live cache — `pool_grid`, `block_table`, `layers_table`,
 `blocks_view` (what `/blocks` prints), `contiguous_view`, `stats_table`, `status_line`.
@@ -79,7 +80,7 @@ from .shared_blocks import (CACHED_COLOR, SHARED_COLOR, plot_copy_on_write, plot
                       plot_shared_blocks, plot_sharing_savings, sharing_snapshot)
 from .beam_tree import PRUNED_COLOR, plot_beam_blocks, plot_beam_savings, plot_beam_tree
 from .loss_curve import plot_loss_curve
-from .disaggregation import plot_move
+from .disaggregation import plot_move, plot_step_times
 from .tensor_parallel import (RANK_COLORS, plot_block_across_ranks, plot_head_split,
                               plot_messages, rank_color)
 from .terminal import (block_table, blocks_view, contiguous_view, layers_table, pool_grid,

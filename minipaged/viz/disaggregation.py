@@ -1,4 +1,5 @@
-"""Stage 9b drawn: one request's move between the two pools, block ids remapped."""
+"""Stage 9b drawn: one request's move between the two pools, block ids remapped; the decode
+steps' times, colocated and disaggregated."""
 
 from __future__ import annotations
 
@@ -60,4 +61,27 @@ def plot_move(move, remote_blocks: int, local_blocks: int, prompt_blocks: int):
                         Patch(facecolor=FREE_COLOR, edgecolor=EDGE_COLOR, label="other blocks")],
                loc="lower center", ncol=2, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
+    return fig
+
+
+def plot_step_times(runs, cpu: str = ""):
+    """One panel per run (`disaggregated_latency.Timeline`s), one above the other on the same
+    axes: each step of the engine the chats decode on, as a bar from when it began, as tall as
+    it took; a dashed line where a long prompt arrived; the worst gap between two tokens of a
+    chat in the panel's title."""
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.3 * len(runs) + 0.6), sharex=True,
+                             sharey=True, squeeze=False)
+    for ax, run, color in zip(axes[:, 0], runs, (LAST, SENT)):
+        ax.bar(run.step_start, [1e3 * s for s in run.step_seconds], width=run.step_seconds,
+               align="edge", color=color)
+        for t in run.arrivals:
+            ax.axvline(t, color="black", ls="--", lw=0.8)
+        ax.set_title(f"{run.name}: worst gap between two tokens of a chat "
+                     f"{1e3 * run.worst_gap:.0f} ms", fontsize=9, loc="left")
+        ax.set_ylabel("step time (ms)")
+    axes[-1, 0].set_xlabel("seconds since the first request (dashed: a long prompt arrives)")
+    if cpu:
+        fig.suptitle(f"each step of the chats' engine, one trace served two ways; {cpu}",
+                     fontsize=9)
+    fig.tight_layout()
     return fig
