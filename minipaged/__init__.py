@@ -17,7 +17,8 @@ Read the stages in order, each module beside its lesson (`lessons/`) and noteboo
     7   speculative.py, draft_policy.py            speculative decoding: drafts, one verify pass, rollback;
                                                    drafts that adapt to their acceptance and the batch
     8   serve/ (a subpackage)                      an OpenAI-compatible server, the pool live in a browser
-    9   tensor_parallel.py                         the heads and their KV blocks split over N processes
+    9   tensor_parallel.py, tp_engine.py,          the heads and their KV blocks split over N processes;
+        tp_group.py                                one scheduler sends the others each call's changes
 
 Around them: `formats/` (checkpoints and tokenizers), `embedded/` (the shipped model's corpus and
 trainer), `chat/` (`python -m minipaged.chat`), `viz/` (the drawings), `benchmarks/`, `fast/`

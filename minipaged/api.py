@@ -13,6 +13,8 @@ by its `cache` argument, so a reader can swap caches and compare tokens one for 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from .beams import beam_search     # stage 6b's, public as it is
@@ -25,9 +27,10 @@ from .sizing import pool_blocks
 from .disaggregated import Job, serve_disaggregated
 from .speculative import SpeculativeEngine
 from .ranks import run_ranks
-from .tensor_parallel import LockstepEngine, check_world_size, load_shard, rank_state_dict
+from .tensor_parallel import check_world_size, load_shard, rank_state_dict
+from .tp_engine import TensorParallelEngine
+from .tp_group import Group, follow, start_engine
 
-Engine = SpeculativeEngine   # the engine with every stage's options
 __all__ = ["Engine", "PAGED_OPTIONS", "beam_search", "generate"]
 PAGED_OPTIONS = ("block_size", "num_blocks", "kv_budget", "preemption", "num_cpu_blocks",
                  "watermark", "backend", "max_num_seqs", "prefix_caching",
@@ -67,7 +70,8 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
     `minipaged.fast.FastEngine` runs the same steps faster).
 
     tensor_parallel=N (stage 9) serves cache="paged" on N processes, each holding 1/N of every
-    layer's heads and of their KV blocks (a kv_budget is then each process's); the same tokens.
+    layer's heads and of their KV blocks (a kv_budget is then each process's); rank 0's engine
+    schedules, the others follow its messages (`tp_engine.py`); the same tokens.
 
     disaggregated=True (stage 9b) prefills on one engine and decodes on another, in two
     processes, moving each prompt's KV blocks between them (the options size each engine's
@@ -106,6 +110,21 @@ def generate(model, prompts, max_new_tokens, cache="contiguous", temperature: fl
     else:
         raise RequestError(f"unknown cache {cache!r}: choose 'contiguous' or 'paged'")
     return out if n == 1 else [out[i * n:(i + 1) * n] for i in range(num_prompts)]
+
+
+class Engine(SpeculativeEngine):
+    """The engine with every stage's options (stage 7's, `SpeculativeEngine`). With
+    `tensor_parallel=N` (stage 9) it is rank 0's engine of N processes instead
+    (`tp_engine.start_engine`: a `TensorParallelEngine`, the same calls; `close()` ends the
+    other processes)."""
+
+    def __new__(cls, model, *args, tensor_parallel: int = 1, **options):
+        if tensor_parallel == 1:
+            return super().__new__(cls)
+        return start_engine(model, tensor_parallel, *args, **options)
+
+    def __init__(self, model, *args, tensor_parallel: int = 1, **options):
+        super().__init__(model, *args, **options)
 
 
 def check_arguments(model, prompts, max_new_tokens, cache, temperature, top_p, stop_tokens,
@@ -164,11 +183,18 @@ def _serve_disaggregated(model, cache, engine_class, tensor_parallel, disaggrega
     return serve_disaggregated(model, job)["decode"]["outputs"]
 
 
-def _serve_rank(rank, world_size, device, args, states, request) -> list:
-    """One rank of tensor_parallel=N: its shard of the model, the engine every rank runs."""
+def _serve_rank(rank, world_size, device, args, states, request) -> list | int:
+    """One rank of tensor_parallel=N, on its shard of the model: rank 0 serves the prompts on
+    the one engine (`TensorParallelEngine`) and returns the tokens; the others follow it."""
     shard = load_shard(args, rank, world_size, states[rank], device)
+    if rank:
+        follow(shard, device)
+        return None
     *serve_args, options = request
-    return _serve(LockstepEngine, shard, *serve_args, **options)
+    group = Group(device)
+    out = _serve(partial(TensorParallelEngine, workers=group), shard, *serve_args, **options)
+    group.close()
+    return out
 
 
 def _serve(engine_class, model, prompts, max_new_tokens, temperature, top_p, stop_tokens, seed, max_seq_len,

@@ -128,7 +128,7 @@ class Engine:
         self.cache = self.new_cache(a, num_blocks, block_size, max_num_seqs, self.max_seq_len,
                                     device=p.device, dtype=p.dtype, seed=seed, backend=backend,
                                     kv_dtype=kv_dtype)
-        self.swap = SwapSpace(self.cache, num_cpu_blocks) if num_cpu_blocks else None
+        self.swap = self.new_swap(self.cache, num_cpu_blocks) if num_cpu_blocks else None
         self.scheduler = self.new_scheduler(self.cache, preemption, watermark, max_num_seqs,
                                             static_batches, self.swap)
         self.device = p.device
@@ -151,6 +151,10 @@ class Engine:
     def new_scheduler(self, *args) -> Scheduler:
         """The engine's scheduler (a later stage builds a richer one here)."""
         return Scheduler(*args)
+
+    def new_swap(self, *args) -> SwapSpace:
+        """The engine's CPU swap pool (a later stage builds a richer one here)."""
+        return SwapSpace(*args)
 
     # -- requests in -----------------------------------------------------------------------------
     def add_request(self, prompt, max_new_tokens: int, temperature: float = 0.0,

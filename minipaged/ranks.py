@@ -6,7 +6,7 @@ error naming the rank, when any of them fails, dies or goes silent.
 Each rank is a fresh Python (multiprocessing's spawn: no state copied from the caller) that joins
 the group over gloo between CPU processes or NCCL between CUDA GPUs, one per rank, with a timeout
 on every collective; the caller watches them all, and each rank watches the caller. What runs
-on the ranks is `tensor_parallel.py`'s; this module is the plumbing.
+on the ranks is `tp_engine.py`'s and `tp_group.py`'s; this module is the plumbing.
 """
 
 from __future__ import annotations

@@ -7,23 +7,16 @@ matching rows of wo and w2, whose partial outputs one all-reduce per layer sums.
 cache (stage 3's, unchanged) holds only its own heads, in the same block ids as every other
 rank's: a block is one id and N slices, one per rank.
 
-The ranks run in lockstep, as mini-sglang's do: each runs the same engine (stages 5-7's) on
-the same requests, and since after the all-reduces every rank sees the same logits, each
-schedules, allocates and samples the same. After every step the ranks compare a digest of
-their block tables, free blocks and tokens (one all-gather): the acknowledgement that they
-still agree, and an error naming the rank if one does not. vLLM instead keeps one scheduler
-and sends the workers each step's new block ids (lessons/09-tensor-parallel.md compares them).
-
-    outs = run_ranks(serve_rank, world_size=2, args=(...))   # one result per rank
-
-`run_ranks` (`ranks.py`) starts the N processes (torch.distributed: gloo on CPUs, NCCL on CUDA
-GPUs), and ends them all, with one error naming the rank, if any of them fails or dies.
+One scheduler decides for all of them, as in vLLM: rank 0's (`tp_engine.py`), which sends the
+other ranks each model call's tokens and what changed in the block tables (`step_changes`
+below; a worker applies them with `apply_changes`). `run_ranks` (`ranks.py`) starts the N
+processes (torch.distributed: gloo on CPUs, NCCL on CUDA GPUs), and ends them all, with one
+error naming the rank, if any of them fails or dies.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 import torch
 import torch.distributed as dist
@@ -32,8 +25,6 @@ import torch.nn.functional as F
 
 from .errors import TensorParallelError, UsageError
 from .model import Llama
-from .ranks import run_ranks
-from .speculative import SpeculativeEngine
 
 COLUMNS = ("wq", "wk", "wv", "w1", "w3")   # split by output features: each rank a slice of heads
 ROWS = ("wo", "w2")                        # split by input features: partial sums, all-reduced
@@ -126,51 +117,17 @@ def load_shard(args, rank: int, world_size: int, state: dict, device="cpu") -> L
     return shard_llama(model, rank, world_size, state).to(device)
 
 
-# -- the engine each rank runs -------------------------------------------------------------------
-class LockstepEngine(SpeculativeEngine):
-    """Stage 7's engine, run by every rank; after each step the ranks check they still agree."""
-
-    def step(self):
-        finished = super().step()
-        check_agreement(self)
-        return finished
-
-
-def engine_digest(engine) -> int:
-    """What every rank must hold alike after a step: layer 0's free blocks and block tables,
-    and every request's tokens. Eight bytes of a hash, as one int64."""
-    m = engine.cache.managers[0]
-    h = hashlib.blake2b(digest_size=8)
-    h.update(repr(m.free_blocks.ids()).encode())
-    h.update(m.block_table.numpy().tobytes())
-    h.update(repr([r.output for r in engine.requests]).encode())
-    return int.from_bytes(h.digest(), "little", signed=True)
-
-
-def check_agreement(engine) -> None:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    device = engine.device if dist.get_backend() == "nccl" else "cpu"
-    mine = torch.tensor([engine_digest(engine)], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    for r, d in enumerate(every):
-        if d.item() != every[0].item():
-            raise TensorParallelError(f"rank {r} disagrees with rank 0 about the blocks or "
-                                      f"tokens after step {engine.step_count - 1}")
-
-
-# -- the other design: one scheduler that sends each step's changes -----------------------------
+# -- what rank 0 sends: each step's changes to the block tables --------------------------------
 def block_tables(manager) -> dict:
     """A layer's block tables as {seq_id: [block ids]}, for the sequences that hold blocks."""
     return {s: manager.blocks_of(s) for s in manager.live_seq_ids()}
 
 
 def step_changes(before: dict, after: dict) -> dict:
-    """What a central scheduler sends its workers after a step, as vLLM's `SchedulerOutput` does
-    in spirit: the block ids appended to each table that only grew, the whole table of each one
-    that is new or changed otherwise (resumed, a block copied on write, rolled back), and the
-    sequences whose blocks all went back."""
+    """What the scheduler sends its workers since its last message, as vLLM's `SchedulerOutput`
+    does in spirit: the block ids appended to each table that only grew, the whole table of
+    each one that is new or changed otherwise (resumed, a block copied on write, rolled back),
+    and the sequences whose blocks all went back."""
     appended, replaced = {}, {}
     for s, blocks in after.items():
         old = before.get(s)
@@ -192,27 +149,3 @@ def apply_changes(tables: dict, changes: dict) -> dict:
         out[s] += ids
     out.update({s: list(b) for s, b in changes["replaced"].items()})
     return out
-
-
-def serve_ranks(model, prompts, max_new_tokens: int, world_size: int, steps: int | None = None,
-                **engine_options) -> list[dict]:
-    """Serve greedy `prompts` on `world_size` ranks for `steps` steps (None: until done) and
-    report what each rank holds: {"outputs", "preemptions", "managers" (its CacheManager per
-    layer, K/V included), "kv_heads" (the full model's KV heads it owns)}. For drawings and tests; the
-    way to generate is `minipaged.generate(..., tensor_parallel=N)`."""
-    check_world_size(model.args, world_size)
-    states = [rank_state_dict(model, r, world_size) for r in range(world_size)]
-    return run_ranks(_serve_and_report, world_size, (model.args, states, prompts, max_new_tokens,
-                     steps, engine_options), device=next(model.parameters()).device)
-
-
-def _serve_and_report(rank, world_size, device, args, states, prompts, max_new_tokens, steps,
-                      options) -> dict:
-    engine = LockstepEngine(load_shard(args, rank, world_size, states[rank], device), **options)
-    for p in prompts:
-        engine.add_request(p, max_new_tokens, stop_tokens=[])
-    while engine.has_unfinished() and (steps is None or engine.step_count < steps):
-        engine.step()
-    return {"outputs": [r.output for r in engine.requests], "managers": engine.cache.managers,
-            "preemptions": engine.stats.preemptions,
-            "kv_heads": range(args.n_kv_heads)[owned(args.n_kv_heads, rank, world_size)]}

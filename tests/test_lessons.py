@@ -162,9 +162,10 @@ def resolves(dotted: str) -> bool:
         elif isinstance(obj, type) and any(name in getattr(k, "__annotations__", {})
                                            for k in obj.__mro__):
             return True                         # a dataclass field
-        elif isinstance(obj, type):             # an attribute set in __init__: read the source
-            src = Path(importlib.import_module(obj.__module__).__file__).read_text()
-            return re.search(rf"self\.{name}\b", src) is not None
+        elif isinstance(obj, type):             # set in an __init__ of it or a base: the sources
+            return any(re.search(rf"self\.{name}\b", Path(importlib.import_module(
+                k.__module__).__file__).read_text()) for k in obj.__mro__
+                if k.__module__.startswith("minipaged"))
         else:
             return False
     return True

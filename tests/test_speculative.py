@@ -324,7 +324,7 @@ def test_the_speed_layers_engine_speculates_exactly(tiny32, block_size, monkeypa
 
 
 def test_engine_is_the_speculative_engine_and_off_by_default(tiny, reference):
-    assert Engine is SpeculativeEngine
+    assert issubclass(Engine, SpeculativeEngine)                  # (+ stage 9's tensor_parallel=)
     out, engine = run(tiny, repetitive_prompts(), 24, block_size=3)
     assert out == reference and engine.spec.draft_tokens == 0
 

@@ -27,8 +27,9 @@ from minipaged.errors import RequestError, TensorParallelError, UsageError
 from minipaged import ranks
 from minipaged.ranks import run_ranks
 from minipaged.benchmarks import tensor_parallel as tp_benchmark
-from minipaged.tensor_parallel import (apply_changes, block_tables, engine_digest,
-                                       rank_state_dict, serve_ranks, step_changes)
+from minipaged.tensor_parallel import block_tables, rank_state_dict
+from minipaged.tp_engine import LocalWorkers, TensorParallelEngine, Worker, check_acks
+from minipaged.tp_group import serve_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = list(range(5, 45))                                 # a 40-token shared prefix
@@ -44,13 +45,14 @@ def no_ranks_left():
     return not [p for p in multiprocessing.active_children() if p.name.startswith("minipaged-rank")]
 
 
-def test_two_ranks_give_one_process_tokens():
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_two_ranks_give_one_process_tokens(preemption):
     """fp32, greedy, chunked prefill, prefix caching, n=2 samples sharing blocks, n-gram
-    speculation, a pool too small for every sequence (swap preemption): the tokens of one
-    process, whatever the split."""
+    speculation, a pool too small for every sequence (preemption by swap, by recompute): the
+    tokens of one process, whatever the split."""
     model = tiny_model(dtype=torch.float32)
     ps = [PROMPT + p for p in prompts()]
-    engine = dict(block_size=4, num_blocks=24, preemption="swap", max_num_batched_tokens=16,
+    engine = dict(block_size=4, num_blocks=24, preemption=preemption, max_num_batched_tokens=16,
                   prefix_caching=True, speculative="ngram", num_speculative_tokens=3,
                   prompt_lookup_min=1)
     probe = Engine(model, max_num_seqs=6, num_cpu_blocks=24, **engine)     # what the run meets
@@ -68,8 +70,8 @@ def test_two_ranks_give_one_process_tokens():
 
 def test_each_rank_holds_its_own_heads_of_the_same_blocks():
     """Mid-run, after recompute preemptions: rank r's pool holds the one-process pool's KV heads
-    of rank r, in the same block ids (the ranks allocate in lockstep); every rank's tables and
-    free blocks (in the order they will be drawn) are rank 0's and one process's, every layer."""
+    of rank r, in the same block ids; rank 1's tables, built only from rank 0's messages, are
+    rank 0's as of the last model call, every layer; rank 0 scheduled as one process does."""
     model = tiny_model(dtype=torch.float32)
     ps = prompts(lengths=(9, 14, 17, 6))
     options = dict(num_blocks=14, block_size=4, max_num_seqs=4)
@@ -83,18 +85,18 @@ def test_each_rank_holds_its_own_heads_of_the_same_blocks():
     assert len(one.cache.managers[0].live_seq_ids()) >= 2
     reports = serve_ranks(model, ps, 16, world_size=2, steps=one.step_count, **options)
     assert reports[0]["preemptions"] == one.stats.preemptions > 0
-    heads = [list(r["kv_heads"]) for r in reports]
-    assert heads == [[0], [1]]                                      # 2 KV heads, one each
+    assert reports[0]["outputs"] == [q.output for q in one.requests]
+    assert [list(r["kv_heads"]) for r in reports] == [[0], [1]]     # 2 KV heads, one each
+    assert reports[1]["tables"] == reports[0]["tables"]
+    assert any(reports[1]["tables"][0].values())
+    for mine, full in zip(reports[0]["managers"], one.cache.managers):
+        assert mine.free_blocks._ids == full.free_blocks._ids
+        assert torch.equal(mine.block_table, full.block_table)
     for r in reports:
-        assert r["outputs"] == [q.output for q in one.requests]
-        for layer, (mine, full) in enumerate(zip(r["managers"], one.cache.managers)):
-            ref = reports[0]["managers"][layer]
-            assert mine.k_cache_paged.shape[2] == 1                 # (blocks, slots, Hk / 2, D)
-            assert mine.free_blocks._ids == ref.free_blocks._ids == full.free_blocks._ids
-            assert torch.equal(mine.block_table, ref.block_table)
-            assert torch.equal(mine.block_table, full.block_table)
+        for pool, full in zip(r["pools"], one.cache.managers):
+            assert pool.k_cache_paged.shape[2] == 1                 # (blocks, slots, Hk / 2, D)
             for cache in ("k_cache_paged", "v_cache_paged"):
-                assert torch.allclose(getattr(mine, cache),
+                assert torch.allclose(getattr(pool, cache),
                                       getattr(full, cache)[:, :, r["kv_heads"]], atol=1e-5)
     assert no_ranks_left()
 
@@ -199,27 +201,6 @@ def test_smollm2_on_three_ranks():
     assert no_ranks_left()
 
 
-def test_the_agreement_check_sees_a_rank_that_went_its_own_way():
-    """The per-step digest is the same for two engines that did the same, and differs when the
-    tokens, a block table or the free blocks differ: what would stop diverging ranks."""
-    model = tiny_model(dtype=torch.float32)
-    a, b = (Engine(model, num_blocks=8, block_size=4) for _ in range(2))
-    for e in (a, b):
-        e.add_request(prompts()[1], 3, stop_tokens=[])
-        e.step()
-    assert engine_digest(a) == engine_digest(b)
-    b.requests[0].output[-1] += 1                                    # another token
-    assert engine_digest(a) != engine_digest(b)
-    b.requests[0].output[-1] -= 1
-    m = b.cache.managers[0]
-    m.block_table[0, 0], m.block_table[0, 1] = m.block_table[0, 1].item(), m.block_table[0, 0].item()
-    assert engine_digest(a) != engine_digest(b)                      # the same blocks, reordered
-    m.block_table[0, 0], m.block_table[0, 1] = m.block_table[0, 1].item(), m.block_table[0, 0].item()
-    assert engine_digest(a) == engine_digest(b)
-    m.free_blocks.put([99])                                          # one more free id
-    assert engine_digest(a) != engine_digest(b)
-
-
 def test_a_request_the_ranks_refuse_comes_back_as_the_engines_own_error():
     """A prompt the pool could never hold: every rank refuses it alike, and the caller gets the
     RequestError one process gives, with its sentence; no rank is left."""
@@ -301,26 +282,23 @@ def test_the_benchmark_refuses_bad_input_before_any_process(argv, says, capsys):
     assert no_ranks_left()
 
 
-@pytest.mark.parametrize("prompt_len, tokens, sending", [(20, 20, 3), (12, 6, 2)])
-def test_the_benchmark_counts_the_steps_a_central_scheduler_would_send(prompt_len, tokens,
-                                                                          sending):
-    """The benchmark's step message, on one rank in this process (blocks of 16 tokens): a
-    prompt of 20 sends on its prefill step (a new table), on the step that writes position 32
-    (a third block), and on its last (the table freed): 3 of 20 steps. A prompt of 12 with 6
-    new tokens writes position 16 on its last step, whose block is taken and freed within that
-    step: the after-the-step diff never shows it, 2 of 6. The tokens are one Engine's."""
+def test_the_benchmark_counts_one_message_a_model_call():
+    """The benchmark's message figures, on one rank in this process (messages built, sent
+    nowhere): a prompt of 20 tokens and 6 new ones, no budget, makes 6 model calls (a prefill,
+    5 decodes), so 6 messages; the prefill's, which carries the new table, is the largest. The
+    tokens are one Engine's."""
     model = tiny_model(dtype=torch.float32)
-    prompt = prompts(5, (prompt_len,))
+    prompt = prompts(5, (20,))
     res = tp_benchmark._measure(0, 1, torch.device("cpu"), model.args,
-                                [rank_state_dict(model, 0, 1)], prompt, tokens, 1)
-    assert (res["steps"], res["messages"]) == (tokens, sending)
-    assert 0 < res["mean_bytes"] <= res["max_bytes"] < 200
+                                [rank_state_dict(model, 0, 1)], prompt, 6, 1)
+    assert (res["steps"], res["messages"]) == (6, 6)
+    assert 0 < res["mean_bytes"] < res["max_bytes"] < 4000
     engine = Engine(model, num_blocks=8, block_size=16)
-    engine.add_request(prompt[0], tokens, stop_tokens=[])
+    engine.add_request(prompt[0], 6, stop_tokens=[])
     assert res["outputs"] == [r.output for r in engine.run()]
 
 
-class RandomDrafts(Engine):
+class RandomDrafts(TensorParallelEngine):
     """Drafts of random length, a random prefix of them accepted: rollbacks of every size."""
     rng: random.Random = None
 
@@ -332,38 +310,165 @@ class RandomDrafts(Engine):
         return drafts[:self.rng.randint(0, len(drafts))] + [self.rng.randrange(4)]
 
 
-def test_a_worker_that_applies_each_steps_changes_holds_the_schedulers_tables():
-    """The other design, vLLM's: one scheduler sends each step's table changes. Over many random
-    steps (preemption by recompute and swap, token budgets, prefix caching, n=2, speculation
-    with random rollbacks), a worker's copy of every layer's tables, updated only by
-    `step_changes`, is the scheduler's after every step; every kind of change occurs, and the
-    messages carry fewer block ids than the tables."""
-    kinds, sent, whole = {"appended": 0, "replaced": 0, "freed": 0}, 0, 0
+class CheckedWorkers(LocalWorkers):
+    """An in-process worker that, at every model call, once the message is applied and before
+    anything runs, compares what it holds with rank 0's engine: every layer's tables, its whole
+    pool and CPU pool (FakeModel writes each token's id as its key), and its free blocks (those
+    no table holds) with rank 0's free and cached-free ones."""
+    engine, whole = None, 0                # whole: block ids the tables held at the calls
+
+    def send(self, message):
+        self.sent.append(message)
+        check_acks([w.apply(message) for w in self.workers], message.number)
+        mine, ref = self.workers[0].cache, self.engine.cache
+        for layer, m in enumerate(ref.managers):
+            assert mine.tables[layer] == block_tables(m), (message.number, layer)
+            for name in ("k_cache_paged", "v_cache_paged"):
+                assert torch.equal(getattr(mine.managers[layer], name), getattr(m, name))
+                if self.engine.swap:
+                    assert torch.equal(getattr(mine.cpu[layer], name),
+                                       getattr(self.engine.swap.cpu_managers[layer], name))
+            held = {b for t in mine.tables[layer].values() for b in t}
+            self.whole += sum(map(len, mine.tables[layer].values()))
+            free = set(range(m.num_blocks)) - held
+            assert len(free) == m.num_free_blocks and set(m.free_blocks._ids) <= free
+        self.logits = [w.forward(message) for w in self.workers]
+
+
+def test_a_worker_built_from_messages_holds_rank_0s_tables_and_kv():
+    """The one-scheduler design over many random steps (preemption by recompute and swap, token
+    budgets, prefix caching, n=2, speculation with random rollbacks), rank 0 and one worker in
+    this process: at every model call the worker's tables, built only from the messages, and
+    its pools are rank 0's; every kind of table change and of K/V move occurs, and the
+    messages carry fewer block ids than the tables hold."""
+    kinds, moves, sent, whole = dict.fromkeys(("appended", "replaced", "freed"), 0), set(), 0, 0
+    preempted = {"recompute": 0, "swap": 0}
     for seed in range(12):
         rng = random.Random(seed)
         RandomDrafts.rng = rng
-        engine = RandomDrafts(FakeModel(seed, vocab=4), 18, 3, rng.choice(["recompute", "swap"]),
+        workers = CheckedWorkers([FakeModel(seed + 100, vocab=4)])
+        engine = RandomDrafts(FakeModel(seed, vocab=4), 10, 3, rng.choice(["recompute", "swap"]),
                               max_num_batched_tokens=rng.choice([None, 4, 9]), max_num_seqs=4,
                               prefix_caching=rng.random() < 0.5, speculative="ngram",
-                              num_speculative_tokens=rng.randint(1, 4), num_cpu_blocks=18)
-        worker = [block_tables(m) for m in engine.cache.managers]
-        for step in range(40):
+                              num_speculative_tokens=rng.randint(1, 4), num_cpu_blocks=18,
+                              workers=workers)
+        workers.engine = engine
+        for step in range(60):
             if len(engine.requests) < 10 and rng.random() < 0.4:
                 engine.add_request([rng.randrange(4) for _ in range(rng.randint(1, 10))],
                                    rng.randint(1, 12), stop_tokens=[], n=rng.choice([1, 1, 2]))
-            if not engine.has_unfinished():
-                continue
-            before = [block_tables(m) for m in engine.cache.managers]
-            engine.step()
-            for layer, m in enumerate(engine.cache.managers):
-                after = block_tables(m)
-                changes = step_changes(before[layer], after)
-                worker[layer] = apply_changes(worker[layer], changes)
-                assert worker[layer] == after, (seed, step, layer)
+            if engine.has_unfinished():
+                engine.step()
+        preempted[engine.scheduler.preemption] += engine.stats.preemptions
+        assert [m.number for m in workers.sent] == list(range(len(workers.sent)))
+        for message in workers.sent:
+            for changes in message.tables:
                 for k in kinds:
                     kinds[k] += bool(changes[k])
                 sent += sum(map(len, changes["appended"].values())) + \
                     sum(map(len, changes["replaced"].values()))
-                whole += sum(map(len, after.values()))
+            moves |= {kind for kind, *_ in message.moves}
+        whole += workers.whole
     assert all(kinds.values()), kinds
-    assert sent < whole / 2
+    assert moves == {"copy", "out", "in"} and all(preempted.values()), (moves, preempted)
+    assert 0 < sent < whole / 2
+
+
+class Recording:
+    """A model that keeps the logits of every call."""
+
+    def __init__(self, model):
+        self.model, self.logits = model, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        self.logits.append(self.model(*args, **kwargs))
+        return self.logits[-1]
+
+
+class RecordingWorkers(LocalWorkers):
+    def send(self, message):
+        super().send(message)
+        self.every.append(self.logits[0])
+
+
+def test_a_block_taken_and_freed_within_one_step_reaches_the_worker():
+    """A prompt of 12 tokens, 6 new ones, blocks of 16: the last step writes position 16 into a
+    block it takes, and the sequence ends and frees it in the same step. The step's message
+    carries that block; the tables after the step never hold it (a diff taken after each step,
+    the design before, would never send it, and the worker's last forward would have no block
+    for position 16). The worker (a whole replica here) gives rank 0's logits at every call."""
+    model = tiny_model(dtype=torch.float32)
+    workers = RecordingWorkers([model])
+    workers.every = []
+    engine = TensorParallelEngine(Recording(model), 8, 16, workers=workers)
+    engine.add_request(prompts(5, (12,))[0], 6, stop_tokens=[])
+    after = []
+    while engine.has_unfinished():
+        engine.step()
+        after.append(block_tables(engine.cache.managers[0]))
+    (new,) = workers.sent[-1].tables[0]["appended"][0]             # position 16's block
+    assert all(new not in t.get(0, []) for t in after) and after[-1] == {}
+    assert len(workers.every) == len(engine.model.logits) == 6
+    assert all(torch.equal(a, b) for a, b in zip(workers.every, engine.model.logits))
+    one = Engine(model, num_blocks=8, block_size=16)
+    one.add_request(prompts(5, (12,))[0], 6, stop_tokens=[])
+    assert [r.output for r in engine.requests] == [r.output for r in one.run()]
+
+
+def test_a_lost_or_reordered_message_is_refused_before_it_runs():
+    """Each message has a number and the worker expects them in order: a message that comes
+    out of order (one lost before it, or a repeat) is refused with one line naming the rank and
+    both numbers, and changes nothing; rank 0 refuses an acknowledgement of another number."""
+    workers = LocalWorkers([FakeModel(1)])
+    engine = TensorParallelEngine(FakeModel(0), 16, 4, workers=workers, max_num_seqs=2)
+    engine.add_request([1, 2, 3], 6, stop_tokens=[])
+    for _ in range(3):
+        engine.step()
+    fresh = Worker(FakeModel(1), workers.spec, rank=1)
+    with pytest.raises(TensorParallelError, match="rank 1 got message 1 where it expected 0: "
+                                                  "a message was lost or reordered") as e:
+        fresh.apply(workers.sent[1])
+    assert "\n" not in str(e.value) and fresh.cache.tables == [{}, {}]
+    assert fresh.apply(workers.sent[0]) == 0
+    with pytest.raises(TensorParallelError, match="got message 0 where it expected 1"):
+        fresh.apply(workers.sent[0])                                # the same one again
+    with pytest.raises(TensorParallelError, match="rank 2 acknowledged message 4, not 5"):
+        check_acks([5, 4], 5)
+
+    class Dropping(LocalWorkers):                                   # loses message 2
+        def send(self, message):
+            if message.number != 2:
+                super().send(message)
+    engine = TensorParallelEngine(FakeModel(0), 16, 4, workers=Dropping([FakeModel(1)]))
+    engine.add_request([1, 2, 3], 6, stop_tokens=[])
+    with pytest.raises(TensorParallelError, match="got message 3 where it expected 2"):
+        for _ in range(6):
+            engine.step()
+
+
+def test_the_engine_with_tensor_parallel_is_rank_0_here(monkeypatch):
+    """`Engine(..., tensor_parallel=2)`: this process runs rank 0's engine, one new process
+    follows; the tokens are one process's, also after idling past the collectives' timeout
+    (the follower waits on its inbox, not in a collective); close() ends it. A bad N starts
+    nothing."""
+    monkeypatch.setattr(ranks, "TIMEOUT", 2.0)
+    model, ps = tiny_model(dtype=torch.float32), prompts()
+    engine = Engine(model, 32, 4, tensor_parallel=2, max_num_seqs=4)
+    try:
+        assert isinstance(engine, TensorParallelEngine) and not no_ranks_left()
+        engine.add_request(ps[0], 10, stop_tokens=[])
+        engine.run()
+        time.sleep(3.0)                                             # idle past the timeout
+        for p in ps[1:]:
+            engine.add_request(p, 10, stop_tokens=[])
+        out = [r.output for r in engine.run()]
+    finally:
+        engine.close()
+    assert out == generate(model, ps, 10, cache="paged", stop_tokens=[])
+    assert no_ranks_left()
+    with pytest.raises(UsageError, match="tensor_parallel=3 cannot split"):
+        Engine(model, 32, 4, tensor_parallel=3)
+    assert no_ranks_left() and not torch.distributed.is_initialized()

@@ -63,7 +63,7 @@ def test_chat_on_two_ranks_answers_as_one_process_and_leaves_none_behind():
 def test_a_bad_number_of_ranks_starts_no_process(monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("a process was started")
-    monkeypatch.setattr("minipaged.mirror.start_followers", started)
+    monkeypatch.setattr("minipaged.tp_group.start_followers", started)
     with pytest.raises(UsageError, match="tensor_parallel=3 cannot split"):
         serve_server.build(num_blocks=32, tensor_parallel=3)
 
@@ -136,7 +136,7 @@ def test_ctrl_c_mid_reply_on_two_ranks_exits_130_and_leaves_none_behind():
 def test_a_server_whose_rank_died_names_it_on_every_request_and_still_stops():
     srv = serve_server.start(num_blocks=32, tensor_parallel=2)
     try:
-        os.kill(srv.engine._followers.procs[0].pid, signal.SIGKILL)
+        os.kill(srv.engine.messenger.workers.followers.procs[0].pid, signal.SIGKILL)
         time.sleep(0.5)
         body = {"model": "embedded", "prompt": "Paging is", "max_tokens": 8, "temperature": 0}
         for _ in range(2):          # the loop goes on: the second request is answered too

@@ -1,19 +1,20 @@
-"""Stage 9 measured: tokens/s and KV capacity per rank at N ranks, and what the ranks' messages
+"""Stage 9 measured: tokens/s and KV capacity per rank at N ranks, and what rank 0's messages
 cost, in one run.
 
     python -m minipaged.benchmarks.tensor_parallel                  # embedded model, N = 1, 2
     python -m minipaged.benchmarks.tensor_parallel --model smollm2 --ranks 1 3
 
-For each N, N processes (gloo on a CPU) each load their shard and, inside the group, time: one
-all-reduce of a decode step's activations (1 token x dim floats, as each layer does twice), the
-per-step agreement check (one all-gather of 8 bytes), and serving --prompts greedy prompts of
---prompt-len random tokens for --tokens new tokens each on the engine (the process start and the
-weights' transfer are not counted). The other design's step message is measured on the same run:
-rank 0 records what a central scheduler would send after each step (`step_changes` of layer 0's
-tables, pickled: its mean and largest size, and how many steps send anything), then the ranks
-time broadcasting the largest one from rank 0 (`broadcast_object_list`, gloo). KV capacity: the blocks of 16 tokens a --kv-budget holds on
-each rank. Every N must give N = 1's tokens (checked). All N share the same cores: on one CPU,
-expect N > 1 to be slower; the point of the split is memory per device, on GPUs.
+For each N, N processes (gloo on a CPU) each load their shard and, inside the group, time one
+all-reduce of a decode step's activations (1 token x dim floats, as each layer does twice);
+then rank 0 serves --prompts greedy prompts of --prompt-len random tokens for --tokens new
+tokens each on the one engine (`tp_engine.TensorParallelEngine`), the other ranks following
+its messages (the process start and the weights' transfer are not counted). Rank 0 records
+each model call's `StepMessage`: how many, their pickled size (mean and largest) and the time
+it spends sending them and hearing the acknowledgements (one broadcast and one all-gather a
+call). At N = 1 the messages are built but go nowhere. KV capacity: the blocks of 16 tokens a
+--kv-budget holds on each rank. Every N must give N = 1's tokens (checked). All N share the
+same cores: on one CPU, expect N > 1 to be slower; the point of the split is memory per
+device, on GPUs.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from ..formats import load_model, packaged_model_path
 from ..kv_budget import bytes_per_block
 from ..sizing import pool_blocks
 from ..ranks import run_ranks
-from ..tensor_parallel import (LockstepEngine, block_tables, check_agreement, check_world_size,
-                               load_shard, rank_state_dict, step_changes)
+from ..tensor_parallel import check_world_size, load_shard, rank_state_dict
+from ..tp_engine import LocalWorkers, TensorParallelEngine
+from ..tp_group import Group, follow
 
 
 def _timed(fn, repeats: int) -> float:
@@ -47,37 +49,51 @@ def _timed(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+class Timed:
+    """A transport that counts what goes through it: the pickled size of each message, and the
+    seconds spent sending (the size is taken outside the timed part)."""
+
+    def __init__(self, transport):
+        self.transport, self.sizes, self.seconds, self.sizing = transport, [], 0.0, 0.0
+
+    def start(self, spec) -> None:
+        self.transport.start(spec)
+
+    def send(self, message) -> None:
+        t = time.perf_counter()
+        self.sizes.append(len(pickle.dumps(message)))
+        start = time.perf_counter()
+        self.sizing += start - t
+        self.transport.send(message)
+        self.seconds += time.perf_counter() - start
+
+    def close(self) -> None:
+        self.transport.close()
+
+
 def _measure(rank, world_size, device, args, states, prompts, tokens, repeats) -> dict:
-    """One rank: its collectives' times, then the prompts served on its shard."""
+    """One rank: the all-reduce's time, then the prompts served (rank 0) or followed."""
     model = load_shard(args, rank, world_size, states[rank], device)
     x = torch.randn(1, 1, args.dim, dtype=next(model.parameters()).dtype)
-    reduce = (lambda: dist.all_reduce(x)) if world_size > 1 else (lambda: None)
-    engine = LockstepEngine(model, num_blocks=pool_blocks(model.args, x.dtype, 16, lengths=[
-        len(p) + tokens for p in prompts]), block_size=16, max_num_seqs=len(prompts))
-    all_reduce_s, check_s = _timed(reduce, repeats), _timed(lambda: check_agreement(engine),
-                                                            repeats)
+    all_reduce_s = _timed((lambda: dist.all_reduce(x)) if world_size > 1 else (lambda: None),
+                          repeats)
+    if rank:
+        follow(model, device)
+        return {}
+    workers = Timed(Group(device) if world_size > 1 else LocalWorkers([]))
+    engine = TensorParallelEngine(model, num_blocks=pool_blocks(model.args, x.dtype, 16, lengths=[
+        len(p) + tokens for p in prompts]), block_size=16, max_num_seqs=len(prompts),
+        workers=workers)
     for p in prompts:
         engine.add_request(p, tokens, stop_tokens=[])
-    sizes, recording = [], 0.0             # the step messages, and the seconds spent taking them
     start = time.perf_counter()
-    while engine.has_unfinished():
-        before = block_tables(engine.cache.managers[0]) if rank == 0 else None
-        engine.step()
-        if rank == 0:
-            t = time.perf_counter()
-            changes = step_changes(before, block_tables(engine.cache.managers[0]))
-            empty = not any(changes.values())
-            sizes.append((0 if empty else len(pickle.dumps(changes)), changes))
-            recording += time.perf_counter() - t
-    seconds = time.perf_counter() - start - recording
-    largest = [max(sizes, key=lambda x: x[0])[1] if rank == 0 else None]
-    send = (lambda: dist.broadcast_object_list(list(largest), src=0)) if world_size > 1 else \
-        (lambda: None)
-    message_s = _timed(send, repeats)
-    sent = [b for b, _ in sizes if b]
-    return {"seconds": seconds, "all_reduce_s": all_reduce_s, "check_s": check_s,
-            "message_s": message_s, "steps": len(sizes), "messages": len(sent),
-            "mean_bytes": sum(sent) / max(1, len(sent)), "max_bytes": max(sent, default=0),
+    engine.run()
+    seconds = time.perf_counter() - start - workers.sizing
+    engine.close()
+    sizes = workers.sizes
+    return {"seconds": seconds, "all_reduce_s": all_reduce_s, "steps": engine.step_count,
+            "messages": len(sizes), "send_s": workers.seconds / max(1, len(sizes)),
+            "mean_bytes": sum(sizes) / max(1, len(sizes)), "max_bytes": max(sizes, default=0),
             "outputs": [r.output for r in engine.requests]}
 
 
@@ -108,8 +124,8 @@ def main(argv=None) -> int:
                         f"new tokens each, fp32, every rank on the same CPU")
     for col in ("ranks", "tokens/s", "vs 1 rank", "KV bytes per block (16 tokens) per rank",
                 f"blocks per rank in {a.kv_budget / 2**20:g} MiB", "all-reduce (dim floats)",
-                "agreement check", "steps sending changes", "change message: mean / largest",
-                "largest sent", "same tokens"):
+                "messages (model calls) / steps", "message: mean / largest",
+                "send + ack per message", "same tokens"):
         table.add_column(col, justify="right")
     first = None
     for n in a.ranks:
@@ -124,10 +140,9 @@ def main(argv=None) -> int:
         table.add_row(str(n), f"{rate:.1f}", f"{rate / first[0]:.2f}x", f"{block:,}",
                       f"{a.kv_budget // block:,}",
                       f"{res['all_reduce_s'] * 1e6:.0f} µs" if n > 1 else "-",
-                      f"{res['check_s'] * 1e6:.0f} µs" if n > 1 else "-",
-                      f"{res['messages']} of {res['steps']}",
+                      f"{res['messages']} / {res['steps']}",
                       f"{res['mean_bytes']:.0f} / {res['max_bytes']} bytes",
-                      f"{res['message_s'] * 1e6:.0f} µs" if n > 1 else "-",
+                      f"{res['send_s'] * 1e6:.0f} µs" if n > 1 else "-",
                       str(res["outputs"] == first[1]))
     Console(width=200).print(table)
     return 0

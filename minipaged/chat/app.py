@@ -39,10 +39,11 @@ from ..formats import check_pair, load_model, load_tokenizer
 from ..fragmentation import measure_contiguous, measure_paged
 from ..kv_budget import bytes_per_block
 from ..kv_formats import stored_layout
-from ..mirror import start_mirrored
 from ..sizing import pool_blocks
 from ..kv_cache import ContiguousCache
 from ..sharing import SharedPagedCache
+from ..tp_engine import DriverCache, Messenger, SendFirst
+from ..tp_group import start_workers
 from ..viz.terminal import WordWrap, blocks_view, stats_table, status_line
 from .conversation import Conversation
 from .demo import run_demo
@@ -61,7 +62,7 @@ def cut_notice(max_new_tokens: int) -> str:
 
 
 def make_chat_cache(model, kind="paged", block_size=16, kv_budget=None, max_seqs=1,
-                    kv_dtype=None):
+                    kv_dtype=None, paged_class=SharedPagedCache):
     """The cache the chat's conversations live in, each up to CHAT_CONTEXT tokens (or the
     model's context, if shorter). Paged: as many blocks as one full context needs per
     conversation, or fewer if `kv_budget` bytes hold fewer (a larger budget is not used: the
@@ -81,13 +82,13 @@ def make_chat_cache(model, kind="paged", block_size=16, kv_budget=None, max_seqs
             block_size, a.n_kv_heads, *stored_layout(a.head_dim, p.dtype, kv_dtype), a.n_layers))
     num_blocks = pool_blocks(a, p.dtype, block_size, kv_budget=kv_budget,
                              lengths=[context] * max_seqs, kv_dtype=kv_dtype)
-    return SharedPagedCache(a, num_blocks, block_size, max_seqs, context, device=p.device,
-                            dtype=p.dtype, prefix_caching=True, kv_dtype=kv_dtype)
+    return paged_class(a, num_blocks, block_size, max_seqs, context, device=p.device,
+                       dtype=p.dtype, prefix_caching=True, kv_dtype=kv_dtype)
 
 
 def load(args):
     """The model, its tokenizer, and a conversation in the cache the arguments ask for; with
-    `--tensor-parallel N`, rank 0's conversation, each of its calls made on N processes."""
+    `--tensor-parallel N`, rank 0's conversation, whose model calls N - 1 processes follow."""
     path = model_path(args.model)
     model = load_model(path, dtype=getattr(torch, args.dtype))
     check_pair(model, load_tokenizer(path))
@@ -96,8 +97,44 @@ def load(args):
                     top_p=args.top_p, seed=args.seed, system=args.system))
     if args.tensor_parallel == 1:
         return conversation(model, *options)
-    return start_mirrored(model, args.tensor_parallel, conversation, options,
-                          calls=("reply", "reset"))
+    if args.cache != "paged":
+        raise UsageError("--tensor-parallel sends the workers block tables: it runs on the "
+                         "paged cache; drop --cache contiguous")
+    shard, group = start_workers(model, args.tensor_parallel)
+    try:
+        cache = make_chat_cache(shard, "paged", args.block_size, args.kv_budget, 1,
+                                args.kv_dtype, paged_class=DriverCache)
+        messenger = Messenger(cache, group)
+        return ParallelConversation(SendFirst(shard, messenger), load_tokenizer(path), cache,
+                                    messenger, **options[-1])
+    except BaseException:
+        group.close()
+        raise
+
+
+class ParallelConversation(Conversation):
+    """--tensor-parallel N (stage 9): the conversation on rank 0, in this process, whose model
+    calls the other ranks follow (`tp_engine.py`). `close()` ends them."""
+
+    def __init__(self, model, tokenizer, cache, messenger, **options):
+        super().__init__(model, tokenizer, cache, **options)
+        self.messenger = messenger
+
+    def reply(self, text: str, on_text=None) -> dict:
+        try:
+            return super().reply(text, on_text)
+        except KeyboardInterrupt:     # cut off mid-reply, rank 0 may have left the others
+            self.messenger.workers.abandon("interrupted in the middle of a reply")  # waiting
+            raise                                                   # in a collective
+
+    def reset(self) -> None:
+        """Start over (rank 0 alone: the next message frees the blocks on the other ranks);
+        after the other ranks were stopped, one error saying so."""
+        super().reset()
+        self.messenger.workers.check()
+
+    def close(self) -> None:
+        self.messenger.close()
 
 
 def conversation(model, path, cache, block_size, kv_budget, kv_dtype, options) -> Conversation:

@@ -16,9 +16,7 @@ from ..chat.options import model_path
 from ..disaggregated_engine import DisaggregatedEngine
 from ..errors import UsageError
 from ..formats import load_model, load_tokenizer
-from ..mirror import start_mirrored
 from ..sizing import pool_blocks
-from ..tensor_parallel import LockstepEngine
 from .app import MAX_BODY_BYTES, create_app
 from .loop import EngineLoop
 
@@ -35,8 +33,8 @@ def build(model=None, dtype=torch.float32, block_size: int = 16, num_blocks=None
     """The model, its engine in a loop, and the app; `model` as the chat's --model.
     `record=True` keeps the engine's `history` of steps, for the drawings of `minipaged.viz`;
     `kv_dtype="int8"` stores the KV blocks as int8 codes with their scales (stage 4b);
-    `tensor_parallel=N` runs the engine on N processes (stage 9): the loop drives rank 0's, and
-    each change to it is made on every rank (`loop.engine.close()` ends them);
+    `tensor_parallel=N` runs the engine on N processes (stage 9): the loop drives rank 0's, in
+    this process, whose model calls the other ranks follow (`loop.engine.close()` ends them);
     `disaggregated=True` prefills on an engine in another process and decodes on the loop's
     (stage 9b; `loop.engine.close()` ends the other)."""
     if disaggregated:
@@ -52,12 +50,9 @@ def build(model=None, dtype=torch.float32, block_size: int = 16, num_blocks=None
                    record=record, kv_dtype=kv_dtype)
     if disaggregated:
         engine = DisaggregatedEngine(llama, num_blocks, block_size, preemption, **options)
-    elif tensor_parallel == 1:
-        engine = Engine(llama, num_blocks, block_size, preemption, **options)
     else:
-        engine = start_mirrored(llama, tensor_parallel, rank_engine,
-                                (num_blocks, block_size, preemption, options), calls=ENGINE_CALLS,
-                                cleanup=("abort", "release"))
+        engine = Engine(llama, num_blocks, block_size, preemption,
+                        tensor_parallel=tensor_parallel, **options)
     loop = EngineLoop(engine, max_waiting=max_waiting)
     name = model or "embedded"
     return loop, create_app(loop, tokenizer, name, max_body_bytes), tokenizer, llama
@@ -75,14 +70,6 @@ def check_disaggregated(tensor_parallel: int, kv_dtype, prefix_caching: bool) ->
     if not prefix_caching:
         raise UsageError("disaggregated serving finds the blocks it moved by the prefix cache: "
                          "it cannot run without it; drop --no-prefix-caching")
-
-
-ENGINE_CALLS = ("add_request", "abort", "release", "step")   # what changes an engine
-
-
-def rank_engine(shard, num_blocks, block_size, preemption, options) -> LockstepEngine:
-    """One rank's engine: stage 7's, checking after each step that every rank agrees."""
-    return LockstepEngine(shard, num_blocks, block_size, preemption, **options)
 
 
 def listen(host: str, port: int) -> socket.socket:

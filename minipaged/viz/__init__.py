@@ -51,7 +51,8 @@ search beside parallel sampling); from a `BeamSearch`'s `history` and `blocks_he
 
 Stage 9 (tensor parallelism): `plot_head_split` (the heads and MLP features each rank owns),
 `plot_block_across_ranks` (one block id in one process's pool and in each rank's, holding its
-own heads); `plot_pool` draws the ranks' pools side by side.
+own heads), `plot_messages` (a worker's block tables before each of rank 0's messages, and what
+each changes); `plot_pool` draws rank 0's pool.
 
 Stage 9b (disaggregation): `plot_move` (one request's blocks in the prefill side's pool and in
 the decode side's, an arrow for each block moved with its remapped id, the skipped ones marked),
@@ -80,6 +81,7 @@ from .shared_blocks import (CACHED_COLOR, SHARED_COLOR, plot_copy_on_write, plot
 from .beam_tree import PRUNED_COLOR, plot_beam_blocks, plot_beam_savings, plot_beam_tree
 from .loss_curve import plot_loss_curve
 from .disaggregation import plot_move, plot_step_times
-from .tensor_parallel import RANK_COLORS, plot_block_across_ranks, plot_head_split, rank_color
+from .tensor_parallel import (RANK_COLORS, plot_block_across_ranks, plot_head_split,
+                              plot_messages, rank_color)
 from .terminal import (block_table, blocks_view, contiguous_view, layers_table, pool_grid,
                        stats_table, status_line)

@@ -1,12 +1,15 @@
-"""Stage 9 drawn: which heads and features each rank owns, and one block split across ranks."""
+"""Stage 9 drawn: which heads and features each rank owns, one block split across ranks, and
+what rank 0's messages change in a worker's block tables."""
 
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch, Rectangle
 
-from ..tensor_parallel import owned
+from ..tensor_parallel import apply_changes, owned
+from .pool import FREE_COLOR
 
+APPENDED, REPLACED, FREED = "#55a868", "#dd8452", "#c44e52"   # what a message does to a table
 RANK_COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3",
                "#8c8c8c"]
 
@@ -74,5 +77,50 @@ def plot_block_across_ranks(full, ranks, block: int, heads_of, title: str | None
         ax.set_xticklabels([f"head {h}" for h in range(k.shape[1] // D)], fontsize=8)
     fig.suptitle(title or "The same block id on every rank, each holding its own heads' keys",
                  fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_messages(messages, show, layer: int = 0):
+    """A worker's copy of one layer's block tables, built from nothing by applying `messages`
+    in order, drawn just before each message of `show` (their indices) with what that message
+    changes: block ids appended (green), a table replaced whole (orange), a sequence whose
+    blocks all went back (red, struck through); the message's K/V copies in that layer in the
+    title. One panel per message. Returns the Figure."""
+    tables, before = {}, {}
+    for i, m in enumerate(messages[:max(show) + 1]):
+        before[i] = tables
+        if m.tables:
+            tables = apply_changes(tables, m.tables[layer])
+    fig, axes = plt.subplots(1, len(show), figsize=(4.4 * len(show), 2.9), squeeze=False)
+    for ax, i in zip(axes[0], show):
+        m, old = messages[i], before[i]
+        ch = m.tables[layer] if m.tables else {"appended": {}, "replaced": {}, "freed": []}
+        seqs = sorted(set(old) | set(ch["replaced"]))
+        for row, s in enumerate(seqs):
+            if s in ch["replaced"]:
+                cells = [(b, REPLACED) for b in ch["replaced"][s]]
+            else:
+                cells = [(b, FREE_COLOR) for b in old[s]] + \
+                    [(b, APPENDED) for b in ch["appended"].get(s, [])]
+            for j, (b, color) in enumerate(cells):
+                ax.add_patch(Rectangle((j, -row - 0.4), 0.9, 0.8, facecolor=color,
+                                       edgecolor="white"))
+                ax.text(j + 0.45, -row, str(b), ha="center", va="center", fontsize=8)
+            ax.text(-0.2, -row, f"seq {s}", ha="right", va="center", fontsize=8)
+            if s in ch["freed"]:
+                ax.plot([-0.1, len(cells) - 0.1], [-row, -row], color=FREED, lw=2)
+        copies = [f"{src} -> {dst}" for kind, lay, src, dst in m.moves if lay == layer]
+        ax.set_title(f"message {m.number}: {len(m.tokens)} x {len(m.tokens[0])} tokens"
+                     + (f"\nK/V copied: {', '.join(copies)}" if copies else ""), fontsize=9)
+        ax.set_xlim(-1.6, max([4] + [len(t) for t in old.values()]) + 2)
+        ax.set_ylim(-max(1, len(seqs)) + 0.4, 0.6)
+        ax.axis("off")
+    axes[0][-1].legend(handles=[Patch(facecolor=c, label=t) for c, t in (
+        (FREE_COLOR, "held already"), (APPENDED, "appended"), (REPLACED, "replaced whole"),
+        (FREED, "freed"))], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
+        frameon=False)
+    fig.suptitle(f"a worker's block tables, layer {layer}, before each message and what it "
+                 f"changes", fontsize=10)
     fig.tight_layout()
     return fig
