@@ -40,8 +40,9 @@ def int8_layout(head_dim: int, dtype=None) -> tuple[int, torch.dtype]:
 
 
 def quantize_int8(x: torch.Tensor) -> torch.Tensor:
-    """(..., D) floats -> (..., D + 2) int8: each row's codes, then its float16 scale's bytes.
-    A row of zeros gets scale 0 and codes 0; every value comes back within scale / 2."""
+    """(..., D) floats -> (..., D + 2) int8: each row's codes, then its float16 scale's bytes
+    (max|x| / 127, at most float16's largest). A row whose scale is 0 (zeros, or too small for
+    a float16) gets codes 0; every value comes back within scale / 2."""
     amax = x.abs().amax(-1, keepdim=True).float()                          # (..., 1)
     scale = (amax / QMAX).clamp(max=torch.finfo(torch.float16).max).half()  # (..., 1) stored
     s = scale.float()                         # quantize with the scale as stored, not as computed
@@ -51,8 +52,9 @@ def quantize_int8(x: torch.Tensor) -> torch.Tensor:
 
 def dequantize_int8(packed: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """(..., D + 2) int8 -> (..., D) `dtype`: codes times their row's scale."""
-    scale = packed[..., -SCALE_BYTES:].view(torch.float16).float()          # (..., 1)
-    return (packed[..., :-SCALE_BYTES].float() * scale).to(dtype)           # (..., D)
+    D = packed.shape[-1] - SCALE_BYTES                                      # head_dim
+    scale = packed[..., D:].view(torch.float16).float()                     # (..., 1)
+    return (packed[..., :D].float() * scale).to(dtype)                      # (..., D)
 
 
 def split_int8(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
