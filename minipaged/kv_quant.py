@@ -84,4 +84,4 @@ def flash_attn_with_int8_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block
 
 
 register_kv_format("int8", int8_layout, flash_attn_with_int8_kvcache,    # kv_dtype="int8"
-                   backends=("auto", "torch", "cpu"))
+                   backends=("auto", "torch", "cpu"), write=quantize_int8, read=dequantize_int8)

@@ -389,3 +389,73 @@ def test_the_c_kernel_reads_int8_slots_as_the_pytorch_path_does(f32, v_size):
                         kv_dtype="int8", backend="cpu") == \
             generate(f32, prompts, 10, cache="paged", block_size=4, stop_tokens=[],
                      kv_dtype="int8")
+
+
+# -- the speed layer's own int8 attention -------------------------------------------------------
+
+def fast_int8_step(lengths, new, backend="auto", seed=3):
+    """A FastPagedCache of int8 blocks (2 layers, 4 query heads over 2 KV heads, head_dim 16,
+    blocks of 4) whose rows hold `lengths` quantized random tokens, prepared for a step of
+    `new` tokens a row."""
+    from minipaged.fast import FastPagedCache
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, max_seq_len=96)
+    cache = FastPagedCache(args, 48, 4, len(lengths), 96, backend=backend, kv_dtype="int8")
+    g = torch.Generator().manual_seed(seed)
+    for m in cache.managers:
+        for pool in (m.k_cache_paged, m.v_cache_paged):
+            pool.copy_(quantize_int8(torch.randn(*pool.shape[:-1], 16, generator=g)))
+    ids = list(range(len(lengths)))
+    for s, n in zip(ids, lengths):
+        cache.prepare([s], n)
+    cache.prepare(ids, new)
+    return cache
+
+
+@pytest.mark.parametrize("new, backend", [(1, "auto"), (5, "auto"), (20, "auto"), (1, "torch"),
+                                          (3, "torch")],
+                         ids=["decode-C-kernel", "verify-queries-as-rows", "chunk-gathered",
+                              "decode-torch", "verify-torch"])
+def test_the_speed_layer_reads_int8_blocks_as_the_pytorch_path_does(new, backend):
+    """FastPagedCache(kv_dtype="int8").attend writes each new token's codes and scale into the
+    slots stage 4b's PyTorch path writes (byte for byte) and attends as it does (float
+    rounding apart), on every way the speed layer serves a step: a decode step on the C kernel,
+    a verify pass as rows, a chunk gathered and read back, and its PyTorch backend."""
+    lengths = [9, 4, 7, 12, 1]
+    cache = fast_int8_step(lengths, new, backend)
+    a, B = cache.args, len(lengths)
+    g = torch.Generator().manual_seed(4)
+    for layer, m in enumerate(cache.managers):
+        q = torch.randn(B, new, a.n_heads, a.head_dim, generator=g)
+        k, v = (torch.randn(B, new, a.n_kv_heads, a.head_dim, generator=g) for _ in range(2))
+        pools = m.k_cache_paged.clone(), m.v_cache_paged.clone()
+        want = flash_attn_with_int8_kvcache(q, *pools, k, v, cache.cache_seqlens,
+                                            cache.block_tables[layer], backend="torch")
+        got = cache.attend(layer, q, k, v)
+        assert torch.equal(m.k_cache_paged, pools[0]) and torch.equal(m.v_cache_paged, pools[1])
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert cache._implementation == ("cpu" if backend == "auto" else "torch")
+
+
+@pytest.mark.parametrize("lengths", [[9], [9, 4, 7, 12, 1]])
+def test_the_decode_plan_reads_int8_blocks_as_the_caches_attend_does(lengths):
+    """A decode step's `DecodeAttention` (what a compiled step's layers call) on int8 blocks:
+    quantized k/v in the same slots and bit for bit the output of the cache's `attend`; its plan
+    is not handed to the C++ operator, which copies bytes as they are (`address` is None)."""
+    out = {}
+    for way in ("plan", "attend"):
+        cache = fast_int8_step(lengths, 1)
+        a, B = cache.args, len(lengths)
+        step = cache.decode_attention() if way == "plan" else cache
+        assert way == "attend" or (step is not None and step.address() is None)
+        g = torch.Generator().manual_seed(5)
+        ys = []
+        for layer in range(a.n_layers):
+            q, k, v = (torch.randn(B, 1, h, a.head_dim, generator=g)
+                       for h in (a.n_heads, a.n_kv_heads, a.n_kv_heads))
+            ys.append(step.attend(layer, q, k, v))
+        out[way] = ys, [(m.k_cache_paged.clone(), m.v_cache_paged.clone())
+                        for m in cache.managers]
+    for y1, y2 in zip(out["plan"][0], out["attend"][0]):
+        assert torch.equal(y1, y2)
+    for (k1, v1), (k2, v2) in zip(out["plan"][1], out["attend"][1]):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
