@@ -459,3 +459,26 @@ def test_the_decode_plan_reads_int8_blocks_as_the_caches_attend_does(lengths):
         assert torch.equal(y1, y2)
     for (k1, v1), (k2, v2) in zip(out["plan"][1], out["attend"][1]):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_the_c_quantizer_writes_quantize_int8s_bytes():
+    """The speed layer's quantize-on-write in C (fast/int8_slots.c) writes, into scattered
+    slots, the bytes of `quantize_int8` for rows of every magnitude: zeros, scales that are
+    subnormal or underflow to 0 in float16, past float16's range (clipped at 65504), ties of
+    the rounding (x / scale = k + 0.5) and the bf16 values a bf16 model hands it."""
+    from minipaged.fast.paged import int8_writer
+    write = int8_writer()
+    assert not isinstance(write, str), write
+    g = torch.Generator().manual_seed(7)
+    B, Hk, D = 64, 2, 32
+    x = torch.randn(B, Hk, D, generator=g) * torch.logspace(-10, 10, B)[:, None, None]
+    x[0] = 0
+    x[1, 0] = torch.arange(D) - 15.5                  # scale 1.0 (max 127): x / scale = k + 0.5
+    x[1, 0, 0] = 127
+    x[2, 1] = x[1, 0] / 4                             # scale 0.25: ties again
+    x[3] = x[3].bfloat16().float()
+    slots = torch.randperm(200, generator=g)[:B]
+    pool = torch.zeros(200, Hk, D + 2, dtype=torch.int8)
+    write(x.contiguous().data_ptr(), pool.data_ptr(), slots.contiguous().data_ptr(), B, Hk, D)
+    assert torch.equal(pool[slots], quantize_int8(x))
+    assert int((pool.abs().sum((1, 2)) > 0).sum()) <= B                 # nothing else written

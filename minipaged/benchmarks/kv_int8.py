@@ -13,8 +13,10 @@
    perplexity of the embedded corpus's held-out dialogs in windows of 256 tokens.
 3. Speed: one layer's decode attention at `--contexts` tokens of context, batch 1 and 16,
    SmolLM2's heads (9 query, 3 KV, head_dim 64), on stage 3's PyTorch path (write, gather,
-   attend) and on stage 3b's C kernel (`backend="cpu"`, which reads the blocks where they lie);
-   the median of `--repeats` calls, int8 beside fp32 and bf16 in the same run.
+   attend), on stage 3b's C kernel (`backend="cpu"`, which reads the blocks where they lie) and
+   on the speed layer's decode step (`minipaged.fast`: the step planned once, each layer's new
+   k/v written as slots, int8 ones quantized, then the C kernel); the median of `--repeats`
+   calls, int8 beside fp32 and bf16 in the same run.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .. import cli
 from ..api import generate
 from ..embedded.corpus import build_corpus
 from ..embedded.train import token_stream
+from ..fast import FastPagedCache, kernels
 from ..formats import chat_format, load_model, load_tokenizer, packaged_model_path
 from ..kv_budget import num_blocks_for_budget
 from ..kv_cache import kv_bytes_per_token
@@ -144,6 +147,42 @@ def attention_speed(contexts, batches, repeats: int, backend: str, Hq=9, Hk=3, D
     return out
 
 
+def speed_layer_speed(contexts, batches, repeats: int, Hq=9, Hk=3, D=64, block_size=16):
+    """Median microseconds of one layer's decode attention on the speed layer's cache
+    (`FastPagedCache.decode_attention().attend`: the new k/v into their slots, quantized for
+    int8, then the C kernel), per (context, batch) and format."""
+    g = torch.Generator().manual_seed(0)
+    args = ModelArgs(dim=Hq * D, n_layers=1, n_heads=Hq, n_kv_heads=Hk,
+                     max_seq_len=max(contexts) + 1)
+    out = {}
+    for ctx in contexts:
+        for B in batches:
+            per_row = -(-(ctx + 1) // block_size)
+            q, k, v = (torch.randn(B, 1, h, D, generator=g) for h in (Hq, Hk, Hk))
+            kv = torch.randn(B * per_row, block_size, Hk, D, generator=g)
+            for name, dt, kv_dtype in (("fp32", torch.float32, None),
+                                       ("bf16", torch.bfloat16, None),
+                                       ("int8", torch.float32, "int8")):
+                cache = FastPagedCache(args, B * per_row, block_size, B, ctx + 1, dtype=dt,
+                                       kv_dtype=kv_dtype)
+                m = cache.managers[0]
+                for pool in (m.k_cache_paged, m.v_cache_paged):
+                    pool.copy_(quantize_int8(kv) if kv_dtype else kv.to(dt))
+                cache.prepare(list(range(B)), ctx)
+                cache.prepare(list(range(B)), 1)
+                step = cache.decode_attention()
+                qd, kd, vd = q.to(dt), k.to(dt), v.to(dt)
+                step.attend(0, qd, kd, vd)
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    step.attend(0, qd, kd, vd)
+                    times.append(time.perf_counter() - start)
+                out[ctx, B, name] = statistics.median(times) * 1e6
+                del cache, step
+    return out
+
+
 def load(name: str):
     path = None if name == "embedded" else packaged_model_path("smollm2")
     return load_model(path, dtype=torch.float32), load_tokenizer(path)
@@ -203,10 +242,12 @@ def main(argv=None):
     if not args.skip_accuracy:
         console.print(t)
 
-    for backend, path in (("torch", "stage 3's PyTorch path"), ("cpu", "stage 3b's C kernel")):
+    for backend, path in (("torch", "stage 3's PyTorch path"), ("cpu", "stage 3b's C kernel"),
+                          ("fast", "the speed layer's decode step")):
         if args.skip_speed:
             break
-        speed = attention_speed(args.contexts, (1, 16), args.repeats, backend)
+        speed = speed_layer_speed(args.contexts, (1, 16), args.repeats) if backend == "fast" \
+            else attention_speed(args.contexts, (1, 16), args.repeats, backend)
         t = Table(title=f"3. One layer's decode attention, {path}, microseconds (median), "
                         f"SmolLM2's heads: 9 query, 3 KV, head_dim 64")
         for c in ("context", "batch", "fp32", "bf16", "int8", "int8 / fp32", "int8 / bf16"):
@@ -217,6 +258,8 @@ def main(argv=None):
                 t.add_row(f"{ctx:,}", str(B), f"{f32:,.0f}", f"{b16:,.0f}", f"{i8:,.0f}",
                           f"{i8 / f32:.2f}", f"{i8 / b16:.2f}")
         console.print(t)
+    console.print(f"[dim]CPU: {kernels()['cpu']}; attention kernel: "
+                  f"{kernels(torch.float32, 64, 3)['attention']}[/dim]")
     console.print(f"[dim]{torch.get_num_threads()} torch thread(s), load average "
                   f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.[/dim]")
 

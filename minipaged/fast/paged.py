@@ -34,6 +34,7 @@ import ctypes
 import functools
 import itertools
 import weakref
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -45,7 +46,7 @@ from ..cache_manager import PAD_BLOCK
 from ..cache_checks import check_step_ids, check_step_room
 from ..checks import check_count, check_flag
 from ..chunked_engine import PackedBatch
-from ..cpu_attention import KV_TYPES, build, decode_attention, why_not_cpu
+from ..cpu_attention import FLAGS, KV_TYPES, build, build_function, decode_attention, why_not_cpu
 from ..errors import RequestError
 from ..kv_formats import KV_FORMATS
 from ..paged_cache import PagedCache
@@ -319,6 +320,19 @@ def decode_attention_of(cache):
     return plan() if plan is not None else None
 
 
+@functools.cache
+def int8_writer():
+    """int8_slots.c's `write_int8_slots` (stage 4b's quantize-on-write, in C, straight into the
+    pool), built without -ffast-math so that its divisions round as PyTorch's do; or a sentence
+    saying why it could not be built."""
+    fn = build_function(Path(__file__).with_name("int8_slots.c"), "write_int8_slots",
+                        flags=FLAGS[1:])
+    if not isinstance(fn, str):
+        P, I = ctypes.c_void_p, ctypes.c_int
+        fn.argtypes, fn.restype = [P, P, P, I, I, I], None
+    return fn
+
+
 class DecodeAttention:
     """A decode step on stage 3b's C kernel, B rows of one new token each: what every layer's
     `attend` needs, worked out once for the step. A layer's attention is a few dozen
@@ -328,22 +342,26 @@ class DecodeAttention:
     here a layer writes its k and v into their slots (two copies along the pools' slots; at
     one row, two plain memory copies) and calls the kernel, nothing more. The same numbers as
     `attend`. A compiled step's `attend` does the same in C++ (operators.cpp), from the plan
-    `address` lays out. Int8 blocks (stage 4b): a layer quantizes its k and v into slots
-    first (`KVFormat.write`), and the kernel reads codes and scales where they lie; the C++
-    `attend` leaves such steps to this one (`address` is None)."""
+    `address` lays out. Int8 blocks (stage 4b): a layer quantizes its k and v straight into
+    their slots (`int8_writer`, in C: in PyTorch, quantizing cost more than attending at short
+    contexts; where it cannot be built, `KVFormat.write` and a copy), and the kernel reads
+    codes and scales where they lie; the C++ `attend` leaves such steps to this one
+    (`address` is None)."""
 
     def __init__(self, cache, Hq: int, Hk: int, D: int):
         plan, managers = cache.plan, cache.managers
         pool = managers[0].k_cache_paged
         self.dtype, self.rows = pool.dtype, plan.positions.shape[0]
         self.write = cache.kv_dtype and KV_FORMATS[cache.kv_dtype].write   # None: as they are
+        writer = int8_writer() if cache.kv_dtype == "int8" else None
+        self.write_c = None if isinstance(writer, str) else writer          # quantize in C
         self.kernel = build(self.dtype, D, Hq // Hk)
         slot = pool.shape[-1]                                    # D, or D + 2 for int8
         self.shape, self.kv_shape = (self.rows, Hq, D), (self.rows, Hk, slot)
         self.nbytes = Hk * slot * pool.itemsize                  # one token's k (or v)
         self.tables = plan.tables.contiguous()                   # (layers, B, n) int64
         self.lens = plan.seqlens_k.contiguous()                  # (B,) int64
-        self.slots = plan.slot_mapping                           # (layers, B): the new tokens'
+        self.slots = plan.slot_mapping.contiguous()              # (layers, B): the new tokens'
         self.managers, self.heads = managers, (Hq, Hk, D)
         self.block_size, self.scale = cache.block_size, D ** -0.5
         self.threads = torch.get_num_threads()
@@ -358,7 +376,9 @@ class DecodeAttention:
         layers = []
         for layer, m in enumerate(self.managers):
             kc, vc = m.k_cache_paged, m.v_cache_paged
-            if self.rows == 1:                                   # addresses, for memmove
+            if self.write_c:                                     # pools and slots, for C
+                to = (kc.data_ptr(), vc.data_ptr(), self.slots[layer].data_ptr())
+            elif self.rows == 1:                                 # addresses, for memmove
                 slot = int(self.slots[layer, 0])
                 to = (kc.data_ptr() + slot * self.nbytes, vc.data_ptr() + slot * self.nbytes)
             else:                                                # the pools as rows of slots
@@ -374,6 +394,12 @@ class DecodeAttention:
         in the cache's dtype, or the same tokens as one row, (1, B, ...) (a packed step); out
         in q's shape."""
         to, args = self.layers[layer]
+        if self.write_c:                                       # int8: quantized into the slots
+            (_, Hk, D), rows = self.heads, self.rows
+            for x, pool in zip((k, v), to):
+                x32 = x.reshape(rows, Hk, D).float().contiguous()
+                self.write_c(x32.data_ptr(), pool, to[2], rows, Hk, D)
+            return self._kernel(q, args)
         if self.write:                                         # e.g. quantized to int8 slots
             k, v = self.write(k), self.write(v)
         if k.dtype != self.dtype or v.dtype != self.dtype:    # bytes are copied as they are
@@ -388,6 +414,10 @@ class DecodeAttention:
         else:
             to[0].index_copy_(0, to[2], k.reshape(self.kv_shape))
             to[1].index_copy_(0, to[2], v.reshape(self.kv_shape))
+        return self._kernel(q, args)
+
+    def _kernel(self, q, args):
+        """Stage 3b's C kernel on this layer's blocks, the new k/v already in their slots."""
         q32 = q.reshape(self.shape).float().contiguous()
         out = torch.empty(self.shape)
         self.kernel(q32.data_ptr(), *args, out.data_ptr(), self.threads)
