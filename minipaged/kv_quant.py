@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import torch
 
+from .backends import pick_backend
 from .cpu_attention import decode_attention
 from .kv_cache import attention_over_cache
 from .kv_formats import register_kv_format
 from .paged_attention import _gather, owned_block_table, write_new_kv
+from .triton_attention import triton_paged_attention
 
 SCALE_BYTES = 2                # one float16 scale per token, head and K or V
 QMAX = 127                     # codes in [-127, 127]: symmetric, so -x quantizes to -q
@@ -69,13 +71,17 @@ def flash_attn_with_int8_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block
     (num_blocks, block_size, Hk, D + 2): the new k/v (B, Sk, Hk, D) are quantized into their
     slots, then each row's blocks are gathered and dequantized to q's dtype and attended, the
     new tokens included (as stored, so every token is read the same way). (B, Sq, Hq, D).
-    backend="cpu": a decode step goes to stage 3b's C kernel, which reads codes and scales
-    where they lie."""
+    backend="cpu": a decode step goes to stage 3b's C kernel, and backend="triton" any step to
+    stage 3b's Triton kernel; both read codes and scales where they lie."""
     table, seqlens_k = owned_block_table(q, k_cache, k, cache_seqlens, block_table)
     write_new_kv(k_cache, v_cache, quantize_int8(k), quantize_int8(v), table, cache_seqlens)
     if backend == "cpu" and q.shape[1] == 1 and q.device.type == "cpu":
         return decode_attention(q, k_cache, v_cache, table, seqlens_k,
                                 softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5)
+    if backend == "triton":
+        pick_backend("triton", q, k_cache, table)    # a sentence if Triton cannot run here
+        return triton_paged_attention(q, k_cache, v_cache, table, seqlens_k, causal,
+                                      softmax_scale)
     L = max(seqlens_k.tolist())                                 # the longest row: all we gather
     k_ctx = dequantize_int8(_gather(k_cache, table, L), q.dtype)           # (B, L, Hk, D)
     v_ctx = dequantize_int8(_gather(v_cache, table, L), q.dtype)
@@ -84,4 +90,5 @@ def flash_attn_with_int8_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block
 
 
 register_kv_format("int8", int8_layout, flash_attn_with_int8_kvcache,    # kv_dtype="int8"
-                   backends=("auto", "torch", "cpu"), write=quantize_int8, read=dequantize_int8)
+                   backends=("auto", "torch", "cpu", "triton"), write=quantize_int8,
+                   read=dequantize_int8)

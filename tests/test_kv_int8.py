@@ -337,8 +337,9 @@ def test_beams_forked_on_int8_blocks_score_as_an_unshared_int8_run(f32):
 def test_bad_kv_dtype_is_one_clear_error(f32):
     with pytest.raises(RequestError, match="kv_dtype must be None"):
         generate(f32, [[1, 2]], 2, cache="paged", kv_dtype="int4")
-    with pytest.raises(RequestError, match="read by the backends 'auto', 'torch', 'cpu'"):
-        generate(f32, [[1, 2]], 2, cache="paged", kv_dtype="int8", backend="triton")
+    with pytest.raises(RequestError, match="read by the backends 'auto', 'torch', 'cpu', "
+                                           "'triton', not 'flash_attn'"):
+        generate(f32, [[1, 2]], 2, cache="paged", kv_dtype="int8", backend="flash_attn")
 
 
 def test_the_speed_layer_serves_int8_blocks_with_the_same_tokens(f32):
@@ -482,3 +483,40 @@ def test_the_c_quantizer_writes_quantize_int8s_bytes():
     write(x.contiguous().data_ptr(), pool.data_ptr(), slots.contiguous().data_ptr(), B, Hk, D)
     assert torch.equal(pool[slots], quantize_int8(x))
     assert int((pool.abs().sum((1, 2)) > 0).sum()) <= B                 # nothing else written
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("T, v_size", [(1, 1.0), (3, 1.0), (1, 1e-4)],
+                         ids=["decode", "chunk", "decode-subnormal-v-scales"])
+def test_the_triton_kernel_reads_int8_slots_as_the_pytorch_path_does(f32, T, v_size,
+                                                                     num_splits):
+    """backend="triton" (Triton's interpreter on a CPU): the kernel reads each slot's codes and
+    float16 scale where they lie, one program per row or split in two; its output is the
+    PyTorch path's to float rounding, decode steps and chunks (bottom-right causal) alike, keys
+    of many sizes and values whose scales are subnormal float16 numbers; a whole run gives
+    the same tokens."""
+    q, lens, table, k_old, v_old, k_new, v_new, bs, N = random_paged_call(3)
+    k_new, v_new, q = k_new[:, :T], v_new[:, :T] * v_size, q[:, :T]
+    B, _, Hk, D = k_new.shape
+    pools = torch.zeros(2, N, bs, Hk, D + 2, dtype=torch.int8)
+    for b in range(B):
+        for p in range(int(lens[b])):
+            blk, off = int(table[b, p // bs]), p % bs
+            pools[0, blk, off] = quantize_int8(k_old[b, p] * 10 ** (p % 5 - 2))
+            pools[1, blk, off] = quantize_int8(v_old[b, p] * v_size)
+    want = flash_attn_with_int8_kvcache(q, *pools.clone(), k_new, v_new, lens, table,
+                                        backend="torch")
+    if num_splits == 1:
+        got = flash_attn_with_int8_kvcache(q, *pools, k_new, v_new, lens, table, backend="triton")
+    else:                        # stage 3b's kernel called directly, as split in two partitions
+        from minipaged.kv_quant import write_new_kv
+        from minipaged.triton_attention import triton_paged_attention
+        write_new_kv(*pools, quantize_int8(k_new), quantize_int8(v_new), table.long(), lens)
+        got = triton_paged_attention(q, *pools, table, lens.long() + T, num_splits=2)
+    assert torch.allclose(got, want, atol=1e-5 * v_size, rtol=1e-4)
+    if (T, v_size, num_splits) == (1, 1.0, 1):
+        prompts = prompts_of(12, (7, 12))
+        assert generate(f32, prompts, 6, cache="paged", block_size=4, stop_tokens=[],
+                        kv_dtype="int8", backend="triton") == \
+            generate(f32, prompts, 6, cache="paged", block_size=4, stop_tokens=[],
+                     kv_dtype="int8")

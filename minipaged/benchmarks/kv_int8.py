@@ -124,18 +124,18 @@ def attention_speed(contexts, batches, repeats: int, backend: str, Hq=9, Hk=3, D
             per_row = -(-(ctx + 1) // block_size)
             table = torch.randperm(B * per_row, generator=g).view(B, per_row).int()
             lens = torch.full((B,), ctx, dtype=torch.int32)
-            kv = torch.randn(B * per_row, block_size, Hk, D, generator=g)
+            kv = [torch.randn(B * per_row, block_size, Hk, D, generator=g) for _ in range(2)]
             q, k, v = (torch.randn(B, 1, h, D, generator=g) for h in (Hq, Hk, Hk))
-            for name in ("fp32", "bf16", "int8"):
+            for name in ("fp32", "bf16", "int8"):                 # k and v: pools of their own
                 if name == "int8":
-                    pool = quantize_int8(kv)
+                    kc, vc = map(quantize_int8, kv)
                     call = lambda: flash_attn_with_int8_kvcache(  # noqa: E731
-                        q, pool, pool, k, v, lens, table, backend=backend)
+                        q, kc, vc, k, v, lens, table, backend=backend)
                 else:
                     dt = torch.float32 if name == "fp32" else torch.bfloat16
-                    pool, qd, kd, vd = kv.to(dt), q.to(dt), k.to(dt), v.to(dt)
+                    (kc, vc), qd, kd, vd = (x.to(dt) for x in kv), q.to(dt), k.to(dt), v.to(dt)
                     call = lambda: flash_attn_with_kvcache(  # noqa: E731
-                        qd, pool, pool, kd, vd, cache_seqlens=lens, block_table=table,
+                        qd, kc, vc, kd, vd, cache_seqlens=lens, block_table=table,
                         causal=True, backend=backend)
                 call()
                 times = []
@@ -159,15 +159,15 @@ def speed_layer_speed(contexts, batches, repeats: int, Hq=9, Hk=3, D=64, block_s
         for B in batches:
             per_row = -(-(ctx + 1) // block_size)
             q, k, v = (torch.randn(B, 1, h, D, generator=g) for h in (Hq, Hk, Hk))
-            kv = torch.randn(B * per_row, block_size, Hk, D, generator=g)
+            kv = [torch.randn(B * per_row, block_size, Hk, D, generator=g) for _ in range(2)]
             for name, dt, kv_dtype in (("fp32", torch.float32, None),
                                        ("bf16", torch.bfloat16, None),
                                        ("int8", torch.float32, "int8")):
                 cache = FastPagedCache(args, B * per_row, block_size, B, ctx + 1, dtype=dt,
                                        kv_dtype=kv_dtype)
                 m = cache.managers[0]
-                for pool in (m.k_cache_paged, m.v_cache_paged):
-                    pool.copy_(quantize_int8(kv) if kv_dtype else kv.to(dt))
+                for pool, x in zip((m.k_cache_paged, m.v_cache_paged), kv):
+                    pool.copy_(quantize_int8(x) if kv_dtype else x.to(dt))
                 cache.prepare(list(range(B)), ctx)
                 cache.prepare(list(range(B)), 1)
                 step = cache.decode_attention()
