@@ -131,22 +131,19 @@ if triton is not None:
                            mask=pos_ok[None, :] & d_ok[:, None], other=0.0).to(DOT_TYPE)
             values = tl.load(v_cache_ptr + v_at[:, None] + d[None, :],           # (TILE, D_PAD)
                              mask=pos_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_TYPE)
-            if KV_INT8:      # codes above; each slot's float16 scale in its 2 bytes after them
-                k_scale = _slot_scale(k_cache_ptr + k_at + HEAD_DIM, pos_ok)        # (TILE,)
-                v_scale = _slot_scale(v_cache_ptr + v_at + HEAD_DIM, pos_ok)
-            else:
-                k_scale = tl.full([TILE], 1.0, dtype=tl.float32)
-                v_scale = k_scale
 
-            scores = tl.dot(rows, keys, input_precision="ieee") * (k_scale * scale)[None, :]
+            scores = tl.dot(rows, keys, input_precision="ieee") * scale        # (ROWS, TILE)
+            if KV_INT8:     # stage 4b's slots: codes, then a float16 scale in the next 2 bytes
+                scores = scores * _slot_scale(k_cache_ptr + k_at + HEAD_DIM, pos_ok)[None, :]
+                values = (values * _slot_scale(v_cache_ptr + v_at + HEAD_DIM, pos_ok)[:, None]
+                          ).to(DOT_TYPE)
             scores = tl.where(pos[None, :] <= last_key[:, None], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)     # a row that saw nothing
             p = tl.exp(scores - shift[:, None])
             alpha = tl.exp(m - shift)
             l = alpha * l + tl.sum(p, axis=1)
-            p_v = p * v_scale[None, :]                     # a value's scale, on its weight
-            acc = alpha[:, None] * acc + tl.dot(p_v.to(DOT_TYPE), values, input_precision="ieee")
+            acc = alpha[:, None] * acc + tl.dot(p.to(DOT_TYPE), values, input_precision="ieee")
             m = m_new
 
         if NUM_SPLITS == 1:                                    # v1: the answer, in q's dtype

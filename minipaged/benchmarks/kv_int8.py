@@ -17,6 +17,10 @@
    on the speed layer's decode step (`minipaged.fast`: the step planned once, each layer's new
    k/v written as slots, int8 ones quantized, then the C kernel); the median of `--repeats`
    calls, int8 beside fp32 and bf16 in the same run.
+4. The scale's bytes: the float16 scale kept here (2 bytes per head_dim codes) against a 1-byte
+   power-of-two one (the OCP MX formats' E8M0: scale 2^ceil(log2(max|x| / 127)), so no code
+   clips): tokens a budget holds beside bf16's, and the error each leaves on the model's own
+   K and V rows (every layer, a held-out window), ||x - read back|| / ||x|| per row.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from ..formats import chat_format, load_model, load_tokenizer, packaged_model_pa
 from ..kv_budget import num_blocks_for_budget
 from ..kv_cache import kv_bytes_per_token
 from ..kv_formats import stored_layout
-from ..kv_quant import flash_attn_with_int8_kvcache, quantize_int8
+from ..kv_quant import QMAX, dequantize_int8, flash_attn_with_int8_kvcache, quantize_int8
 from ..model import ModelArgs
 from ..paged_attention import flash_attn_with_kvcache
 from ..paged_cache import PagedCache
@@ -183,6 +187,38 @@ def speed_layer_speed(contexts, batches, repeats: int, Hq=9, Hk=3, D=64, block_s
     return out
 
 
+def pow2_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """Rows (..., D) through int8 codes with a power-of-two scale (what a 1-byte E8M0 scale
+    stores): scale = 2^ceil(log2(max|x| / 127)), codes = round(x / scale); read back."""
+    amax = x.abs().amax(-1, keepdim=True).float()
+    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / QMAX))), 0)
+    codes = torch.where(scale > 0, x / scale, 0).round().clamp(-QMAX, QMAX)
+    return codes * scale
+
+
+@torch.inference_mode()
+def scale_formats(model, stream, window: int = 256) -> dict:
+    """Per scale format (float16, E8M0): (bytes a (token, head) row takes, mean relative error
+    of the model's K rows, of its V rows), the rows of every layer over one held-out window."""
+    cache = PagedCache(model.args, window // 16, 16, 1, window)
+    cache.prepare([0], window)
+    model(stream[None, :window], cache=cache)
+    rows = {"K": [], "V": []}
+    for m in cache.managers:
+        table = m.block_table[0, :window // 16].long()
+        rows["K"].append(m.k_cache_paged[table].flatten(0, 2))         # (tokens * Hk, D)
+        rows["V"].append(m.v_cache_paged[table].flatten(0, 2))
+    D, out = model.args.head_dim, {}
+    for name, bytes_, roundtrip in (("float16", D + 2, lambda x: dequantize_int8(quantize_int8(x))),
+                                    ("E8M0", D + 1, pow2_roundtrip)):
+        errors = []
+        for kv in ("K", "V"):
+            x = torch.cat(rows[kv])
+            errors.append(float(((roundtrip(x) - x).norm(dim=-1) / x.norm(dim=-1)).mean()))
+        out[name] = (bytes_, *errors)
+    return out
+
+
 def load(name: str):
     path = None if name == "embedded" else packaged_model_path("smollm2")
     return load_model(path, dtype=torch.float32), load_tokenizer(path)
@@ -241,6 +277,19 @@ def main(argv=None):
                       + " ".join(f"{e:.3f}" for e in errors[:16]) + " ...[/dim]")
     if not args.skip_accuracy:
         console.print(t)
+
+    t = Table(title="4. The scale: float16 (kept) against a 1-byte power of two (E8M0), on the "
+                    "model's own K/V rows (all layers, 256 held-out tokens)")
+    for c in ("model", "scale", "bytes per head_dim values", "tokens / bf16's at one budget",
+              "mean relative error, K rows", "V rows"):
+        t.add_column(c, justify="right")
+    for name, (model, tok) in loaded.items():
+        stream = token_stream(chat_format(tok), build_corpus().heldout)
+        D = model.args.head_dim
+        for scale, (nbytes, k_err, v_err) in scale_formats(model, stream).items():
+            t.add_row(name, scale, f"{nbytes} per {D}", f"{2 * D / nbytes:.2f}x",
+                      f"{k_err:.4f}", f"{v_err:.4f}")
+    console.print(t)
 
     for backend, path in (("torch", "stage 3's PyTorch path"), ("cpu", "stage 3b's C kernel"),
                           ("fast", "the speed layer's decode step")):
