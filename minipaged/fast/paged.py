@@ -20,7 +20,11 @@ every layer but for the block ids. `FastPagedCache` does it once per step for al
     PyTorch's flash attention, in the cache's dtype (`attend_chunks`);
   * a decode step (every row one new token) on the C kernel works out what every layer's
     attention needs once (`DecodeAttention`: slots, int64 tables, kernel arguments), so a
-    layer is two copies and the kernel call.
+    layer is two copies and the kernel call;
+  * int8 blocks (stage 4b, `kv_dtype="int8"`) take the same ways: the new k/v are written as
+    slots (quantized; in a decode step, in C straight into the pool: `int8_slots.c`), the C
+    kernel reads codes and scales where they lie, and the gathering paths read the slots back
+    as floats (`KVFormat.read`).
 
 `FastSharedPagedCache` is the same over stage 6's shared blocks, and `FastEngine` is the engine
 (`minipaged.Engine`) on it: `generate(model, prompts, n, cache="paged",
