@@ -394,13 +394,14 @@ def test_the_c_kernel_reads_int8_slots_as_the_pytorch_path_does(f32, v_size):
 
 # -- the speed layer's own int8 attention -------------------------------------------------------
 
-def fast_int8_step(lengths, new, backend="auto", seed=3):
+def fast_int8_step(lengths, new, backend="auto", seed=3, dtype=torch.float32):
     """A FastPagedCache of int8 blocks (2 layers, 4 query heads over 2 KV heads, head_dim 16,
     blocks of 4) whose rows hold `lengths` quantized random tokens, prepared for a step of
     `new` tokens a row."""
     from minipaged.fast import FastPagedCache
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, max_seq_len=96)
-    cache = FastPagedCache(args, 48, 4, len(lengths), 96, backend=backend, kv_dtype="int8")
+    cache = FastPagedCache(args, 48, 4, len(lengths), 96, backend=backend, kv_dtype="int8",
+                           dtype=dtype)
     g = torch.Generator().manual_seed(seed)
     for m in cache.managers:
         for pool in (m.k_cache_paged, m.v_cache_paged):
@@ -437,29 +438,38 @@ def test_the_speed_layer_reads_int8_blocks_as_the_pytorch_path_does(new, backend
     assert cache._implementation == ("cpu" if backend == "auto" else "torch")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lengths", [[9], [9, 4, 7, 12, 1]])
-def test_the_decode_plan_reads_int8_blocks_as_the_caches_attend_does(lengths):
-    """A decode step's `DecodeAttention` (what a compiled step's layers call) on int8 blocks:
-    quantized k/v in the same slots and bit for bit the output of the cache's `attend`; its plan
-    is not handed to the C++ operator, which copies bytes as they are (`address` is None)."""
+def test_the_decode_plan_reads_int8_blocks_as_the_caches_attend_does(lengths, dtype):
+    """A decode step's `DecodeAttention` (what a compiled step's layers call) on int8 blocks,
+    and the C++ `attend` on its plan (operators.cpp, where it builds), for a model in fp32 or
+    bf16: k/v quantized into the same slots and bit for bit the output of the cache's
+    `attend`."""
+    from minipaged.fast import compiled as compiled_module, operators
+    ways = ["plan", "attend"] + (["operator"] if operators.build() is None else [])
     out = {}
-    for way in ("plan", "attend"):
-        cache = fast_int8_step(lengths, 1)
+    for way in ways:
+        cache = fast_int8_step(lengths, 1, dtype=dtype)
         a, B = cache.args, len(lengths)
         step = cache.decode_attention() if way == "plan" else cache
-        assert way == "attend" or (step is not None and step.address() is None)
         g = torch.Generator().manual_seed(5)
         ys = []
         for layer in range(a.n_layers):
-            q, k, v = (torch.randn(B, 1, h, a.head_dim, generator=g)
+            q, k, v = (torch.randn(B, 1, h, a.head_dim, generator=g).to(dtype)
                        for h in (a.n_heads, a.n_kv_heads, a.n_kv_heads))
-            ys.append(step.attend(layer, q, k, v))
+            if way == "operator":
+                with compiled_module.running_on(cache, B, 1):
+                    compiled_module._caches[-1] = None     # the Python function would fail
+                    ys.append(torch.ops.minipaged.attend(q, k, v, layer))
+            else:
+                ys.append(step.attend(layer, q, k, v))
         out[way] = ys, [(m.k_cache_paged.clone(), m.v_cache_paged.clone())
                         for m in cache.managers]
-    for y1, y2 in zip(out["plan"][0], out["attend"][0]):
-        assert torch.equal(y1, y2)
-    for (k1, v1), (k2, v2) in zip(out["plan"][1], out["attend"][1]):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    for way in ways[:1] + ways[2:]:
+        for y1, y2 in zip(out[way][0], out["attend"][0]):
+            assert y1.dtype == dtype and torch.equal(y1, y2), way
+        for (k1, v1), (k2, v2) in zip(out[way][1], out["attend"][1]):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2), way
 
 
 def test_the_c_quantizer_writes_quantize_int8s_bytes():

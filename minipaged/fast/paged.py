@@ -349,13 +349,14 @@ class DecodeAttention:
     `address` lays out. Int8 blocks (stage 4b): a layer quantizes its k and v straight into
     their slots (`int8_writer`, in C: in PyTorch, quantizing cost more than attending at short
     contexts; where it cannot be built, `KVFormat.write` and a copy), and the kernel reads
-    codes and scales where they lie; the C++ `attend` leaves such steps to this one
-    (`address` is None)."""
+    codes and scales where they lie; the C++ `attend` does the same from the plan (`address`),
+    calling the same C quantizer."""
 
     def __init__(self, cache, Hq: int, Hk: int, D: int):
         plan, managers = cache.plan, cache.managers
         pool = managers[0].k_cache_paged
         self.dtype, self.rows = pool.dtype, plan.positions.shape[0]
+        self.new_dtype = cache.dtype                             # the new k/v's (the model's)
         self.write = cache.kv_dtype and KV_FORMATS[cache.kv_dtype].write   # None: as they are
         writer = int8_writer() if cache.kv_dtype == "int8" else None
         self.write_c = None if isinstance(writer, str) else writer          # quantize in C
@@ -430,7 +431,7 @@ class DecodeAttention:
     def address(self) -> int | None:
         """Where this step's plan lies for operators.cpp's `attend` (`operators.install`), laid
         out once; None where no kernel serves it."""
-        if isinstance(self.kernel, str) or self.write:
+        if isinstance(self.kernel, str) or (self.write and not self.write_c):
             return None
         if self._plan is None:
             Hq, Hk, D = self.heads
@@ -441,8 +442,9 @@ class DecodeAttention:
             plan = operators.DecodePlan(
                 ctypes.cast(self.kernel, ctypes.c_void_p).value, len(self.managers), self.rows,
                 Hq, Hk, D, self.block_size, self.tables.shape[2], self.nbytes,
-                self.dtype == torch.bfloat16, self.scale, self.lens.data_ptr(),
-                slots.data_ptr(), self.tables.data_ptr(), ctypes.addressof(pools))
+                self.new_dtype == torch.bfloat16, self.scale, self.lens.data_ptr(),
+                slots.data_ptr(), self.tables.data_ptr(), ctypes.addressof(pools),
+                ctypes.cast(self.write_c, ctypes.c_void_p).value if self.write_c else None)
             self._plan = plan, slots, pools                # what its pointers point into
         return ctypes.addressof(self._plan[0])
 
