@@ -47,15 +47,15 @@ static inline float load(kv_t x) { return x; }
 
 #ifdef KV_INT8
 #define ROW (HEAD_DIM + 2)     /* elements of one (slot, KV head): the codes, then the scale */
-/* The float16 scale stored in the 2 bytes after a row's codes (little-endian). */
+/* The float16 scale stored in the 2 bytes after a row's codes (little-endian), never negative
+   (max|x| / 127). Without a branch: a normal float16's exponent and mantissa move into a float's
+   places, its exponent rebiased (15 -> 127); a subnormal one is its mantissa times 2^-24.
+   Both are worked out and one is picked, which the compiler does with a select, not a jump. */
 static inline float row_scale(const kv_t *row) {
-    const uint16_t h = (uint16_t)((uint8_t)row[HEAD_DIM] | ((uint8_t)row[HEAD_DIM + 1] << 8));
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-    union { uint32_t bits; float value; } f;
-    if (exp == 0)                                    /* zero or subnormal: man * 2^-24 */
-        return (sign ? -1.0f : 1.0f) * (float)man * 5.9604645e-8f;
-    f.bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
-    return f.value;
+    const uint32_t h = (uint32_t)((uint8_t)row[HEAD_DIM] | ((uint8_t)row[HEAD_DIM + 1] << 8));
+    union { uint32_t bits; float value; } normal = { ((h & 0x7fffu) << 13) + (112u << 23) };
+    const float subnormal = (float)(h & 0x3ffu) * 0x1p-24f;
+    return (h & 0x7c00u) ? normal.value : subnormal;
 }
 #else
 #define ROW HEAD_DIM

@@ -17,18 +17,23 @@ class KVFormat(NamedTuple):
     """`layout(head_dim, dtype)` -> (last dimension, dtype) of the pool's slots;
     `attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, backend=...)` writes the new
     k/v into the pool in this format and attends (flash_attn_with_kvcache's paged call, causal);
-    `backends`: the `backend=` names that may be asked for beside it."""
+    `backends`: the `backend=` names that may be asked for beside it; `write(x)`: rows
+    (..., head_dim) as the slots store them, and `read(slots, dtype)`: slots back as values
+    (what the speed layer calls around its own kernels)."""
     layout: Callable
     attend: Callable
     backends: tuple = ("auto", "torch")
+    write: Callable | None = None
+    read: Callable | None = None
 
 
 KV_FORMATS: dict[str, KVFormat] = {}   # name -> KVFormat (None, the model's dtype, is not listed)
 
 
 def register_kv_format(name: str, layout: Callable, attend: Callable,
-                       backends: tuple = ("auto", "torch")) -> None:
-    KV_FORMATS[name] = KVFormat(layout, attend, backends)
+                       backends: tuple = ("auto", "torch"), write: Callable | None = None,
+                       read: Callable | None = None) -> None:
+    KV_FORMATS[name] = KVFormat(layout, attend, backends, write, read)
 
 
 def check_kv_dtype(kv_dtype, backend: str = "auto"):

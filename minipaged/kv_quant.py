@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import torch
 
+from .backends import pick_backend
 from .cpu_attention import decode_attention
 from .kv_cache import attention_over_cache
 from .kv_formats import register_kv_format
 from .paged_attention import _gather, owned_block_table, write_new_kv
+from .triton_attention import triton_paged_attention
 
 SCALE_BYTES = 2                # one float16 scale per token, head and K or V
 QMAX = 127                     # codes in [-127, 127]: symmetric, so -x quantizes to -q
@@ -40,8 +42,9 @@ def int8_layout(head_dim: int, dtype=None) -> tuple[int, torch.dtype]:
 
 
 def quantize_int8(x: torch.Tensor) -> torch.Tensor:
-    """(..., D) floats -> (..., D + 2) int8: each row's codes, then its float16 scale's bytes.
-    A row of zeros gets scale 0 and codes 0; every value comes back within scale / 2."""
+    """(..., D) floats -> (..., D + 2) int8: each row's codes, then its float16 scale's bytes
+    (max|x| / 127, at most float16's largest). A row whose scale is 0 (zeros, or too small for
+    a float16) gets codes 0; every value comes back within scale / 2."""
     amax = x.abs().amax(-1, keepdim=True).float()                          # (..., 1)
     scale = (amax / QMAX).clamp(max=torch.finfo(torch.float16).max).half()  # (..., 1) stored
     s = scale.float()                         # quantize with the scale as stored, not as computed
@@ -51,8 +54,9 @@ def quantize_int8(x: torch.Tensor) -> torch.Tensor:
 
 def dequantize_int8(packed: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """(..., D + 2) int8 -> (..., D) `dtype`: codes times their row's scale."""
-    scale = packed[..., -SCALE_BYTES:].view(torch.float16).float()          # (..., 1)
-    return (packed[..., :-SCALE_BYTES].float() * scale).to(dtype)           # (..., D)
+    D = packed.shape[-1] - SCALE_BYTES                                      # head_dim
+    scale = packed[..., D:].view(torch.float16).float()                     # (..., 1)
+    return (packed[..., :D].float() * scale).to(dtype)                      # (..., D)
 
 
 def split_int8(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,13 +71,17 @@ def flash_attn_with_int8_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block
     (num_blocks, block_size, Hk, D + 2): the new k/v (B, Sk, Hk, D) are quantized into their
     slots, then each row's blocks are gathered and dequantized to q's dtype and attended, the
     new tokens included (as stored, so every token is read the same way). (B, Sq, Hq, D).
-    backend="cpu": a decode step goes to stage 3b's C kernel, which reads codes and scales
-    where they lie."""
+    backend="cpu": a decode step goes to stage 3b's C kernel, and backend="triton" any step to
+    stage 3b's Triton kernel; both read codes and scales where they lie."""
     table, seqlens_k = owned_block_table(q, k_cache, k, cache_seqlens, block_table)
     write_new_kv(k_cache, v_cache, quantize_int8(k), quantize_int8(v), table, cache_seqlens)
     if backend == "cpu" and q.shape[1] == 1 and q.device.type == "cpu":
         return decode_attention(q, k_cache, v_cache, table, seqlens_k,
                                 softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5)
+    if backend == "triton":
+        pick_backend("triton", q, k_cache, table)    # a sentence if Triton cannot run here
+        return triton_paged_attention(q, k_cache, v_cache, table, seqlens_k, causal,
+                                      softmax_scale)
     L = max(seqlens_k.tolist())                                 # the longest row: all we gather
     k_ctx = dequantize_int8(_gather(k_cache, table, L), q.dtype)           # (B, L, Hk, D)
     v_ctx = dequantize_int8(_gather(v_cache, table, L), q.dtype)
@@ -82,4 +90,5 @@ def flash_attn_with_int8_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block
 
 
 register_kv_format("int8", int8_layout, flash_attn_with_int8_kvcache,    # kv_dtype="int8"
-                   backends=("auto", "torch", "cpu"))
+                   backends=("auto", "torch", "cpu", "triton"), write=quantize_int8,
+                   read=dequantize_int8)

@@ -85,11 +85,11 @@ if triton is not None:
             stride_qb, stride_qs, stride_qh,             # q, out: (B, Sq, Hq, D), D contiguous
             stride_kb, stride_ks, stride_kh,             # k_cache: (num_blocks, bs, Hk, D)
             stride_vb, stride_vs, stride_vh,             # v_cache: (num_blocks, bs, Hk, D)
-            stride_table, Hq,
+            stride_table, Hq,                            # (int8: (..., Hk, D + 2), stage 4b)
             GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
             ROWS: tl.constexpr, Q_PER_PROGRAM: tl.constexpr, HEAD_DIM: tl.constexpr,
             D_PAD: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-            DOT_TYPE: tl.constexpr):
+            DOT_TYPE: tl.constexpr, KV_INT8: tl.constexpr):
         b, kv_head = tl.program_id(0), tl.program_id(1)
         q_slice, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
         n = tl.load(seqlens_k_ptr + b)                        # keys of this row
@@ -133,6 +133,10 @@ if triton is not None:
                              mask=pos_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_TYPE)
 
             scores = tl.dot(rows, keys, input_precision="ieee") * scale        # (ROWS, TILE)
+            if KV_INT8:     # stage 4b's slots: codes, then a float16 scale in the next 2 bytes
+                scores = scores * _slot_scale(k_cache_ptr + k_at + HEAD_DIM, pos_ok)[None, :]
+                values = (values * _slot_scale(v_cache_ptr + v_at + HEAD_DIM, pos_ok)[:, None]
+                          ).to(DOT_TYPE)
             scores = tl.where(pos[None, :] <= last_key[:, None], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)     # a row that saw nothing
@@ -152,6 +156,14 @@ if triton is not None:
             tl.store(l_ptr + at, l, mask=row_ok)
             tl.store(out_ptr + at[:, None] * HEAD_DIM + d[None, :], acc,
                      mask=row_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _slot_scale(at, ok):
+        """The float16 scales stored at byte addresses `at` (2 bytes each, little-endian), as
+        float32; 0 where not `ok`."""
+        lo = tl.load(at, mask=ok, other=0).to(tl.int32) & 0xFF
+        hi = tl.load(at + 1, mask=ok, other=0).to(tl.int32) & 0xFF
+        return (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
     def combine_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, n_rows,
@@ -217,7 +229,7 @@ def triton_paged_attention(q, k_cache, v_cache, block_table, seqlens_k, causal=T
     interpreter, which runs programs one at a time, 0 means 1).
     """
     B, Sq, Hq, D = q.shape
-    Hk = k_cache.shape[2]
+    Hk = k_cache.shape[2]            # (int8 pools, stage 4b: head_dim codes + a 2-byte scale)
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the Triton kernel reads each key and value as head_dim contiguous "
                          "elements: pass k_cache and v_cache with stride 1 in their last dimension")
@@ -254,7 +266,7 @@ def run_kernels(how: Launch, q, k_cache, v_cache, block_table, seqlens_k, longes
             GROUP=Hq // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], CAUSAL=causal,
             ROWS=how.rows, Q_PER_PROGRAM=how.q_per_program, HEAD_DIM=D,
             D_PAD=max(16, _next_pow2(D)), TILE=how.tile, NUM_SPLITS=how.splits,
-            DOT_TYPE=_dot_type(q.dtype))
+            DOT_TYPE=_dot_type(q.dtype), KV_INT8=k_cache.dtype == torch.int8)
         if how.splits > 1:
             return combine(m, l, parts, out)
     return out

@@ -307,6 +307,50 @@ def remap(remote_table, local_table, first, end):
         raise RequestError("bad range")
     return [(local_table[j], remote_table[j]) for j in range(first, end)]
 """, "block j's pair is"),
+    "quantize: codes from the float32 scale, not the float16 one stored": ("4b.quantize", """
+def quantize_int8(x):
+    amax = x.abs().amax(-1, keepdim=True).float()
+    s = amax / QMAX
+    codes = torch.where(s > 0, x.float() / s, 0).round().clamp(-QMAX, QMAX)
+    return torch.cat([codes.to(torch.int8), s.half().view(torch.int8)], -1)
+""", "with the float16 scale as stored"),
+    "quantize: codes truncated toward zero, not rounded": ("4b.quantize", """
+def quantize_int8(x):
+    scale = (x.abs().amax(-1, keepdim=True).float() / QMAX).clamp(max=65504).half()
+    s = scale.float()
+    codes = torch.where(s > 0, x.float() / s, 0).clamp(-QMAX, QMAX).to(torch.int8)
+    return torch.cat([codes, scale.view(torch.int8)], -1)
+""", "round(x / scale)"),
+    "quantize: a row of zeros divided by its zero scale": ("4b.quantize", """
+def quantize_int8(x):
+    scale = (x.abs().amax(-1, keepdim=True).float() / QMAX).clamp(max=65504).half()
+    codes = (x.float() / scale.float()).round().clamp(-QMAX, QMAX).to(torch.int8)
+    return torch.cat([codes, scale.view(torch.int8)], -1)
+""", "scale is 0 gets codes 0"),
+    "quantize: a scale past float16's range becomes infinity": ("4b.quantize", """
+def quantize_int8(x):
+    scale = (x.abs().amax(-1, keepdim=True).float() / QMAX).half()
+    s = scale.float()
+    codes = torch.where(s > 0, x.float() / s, 0).round().clamp(-QMAX, QMAX)
+    return torch.cat([codes.to(torch.int8), scale.view(torch.int8)], -1)
+""", "at most 65504"),
+    "quantize: the scale's bytes before the codes": ("4b.quantize", """
+def quantize_int8(x):
+    scale = (x.abs().amax(-1, keepdim=True).float() / QMAX).clamp(max=65504).half()
+    s = scale.float()
+    codes = torch.where(s > 0, x.float() / s, 0).round().clamp(-QMAX, QMAX)
+    return torch.cat([scale.view(torch.int8), codes.to(torch.int8)], -1)
+""", "stored in the last 2 bytes"),
+    "dequantize: the scale read from the first 2 bytes": ("4b.dequantize", """
+def dequantize_int8(packed, dtype=torch.float32):
+    scale = packed[..., :2].view(torch.float16).float()
+    return (packed[..., 2:].float() * scale).to(dtype)
+""", "expected code x scale"),
+    "dequantize: multiplied in the output dtype": ("4b.dequantize", """
+def dequantize_int8(packed, dtype=torch.float32):
+    D = packed.shape[-1] - 2
+    return packed[..., :D].to(dtype) * packed[..., D:].view(torch.float16).to(dtype)
+""", "expected code x scale"),
 }
 
 # Correct solutions shaped differently from the reference: the grader must pass every one.
@@ -646,5 +690,21 @@ def remap(remote_table, local_table, first, end):
     if first < 0 or end < first or end > len(remote_table) or end > len(local_table):
         raise RequestError(f"remap: first={first}, end={end} do not fit both tables")
     return list(zip(remote_table[first:end], local_table[first:end]))
+"""),
+    "quantize with a safe divisor instead of a where": ("4b.quantize", """
+def quantize_int8(x):
+    x = x.float()
+    scale = torch.clamp(x.abs().max(dim=-1, keepdim=True).values / 127, max=65504.0)
+    scale = scale.to(torch.float16)
+    s = scale.to(torch.float32)
+    codes = torch.round(x / torch.where(s == 0, torch.ones_like(s), s))
+    codes = torch.clamp(codes, -127, 127).to(torch.int8)
+    return torch.cat((codes, scale.view(torch.int8)), dim=-1)
+"""),
+    "dequantize by splitting the slot": ("4b.dequantize", """
+def dequantize_int8(packed, dtype=torch.float32):
+    codes, scale_bytes = packed.split([packed.shape[-1] - 2, 2], dim=-1)
+    scale = scale_bytes.contiguous().view(torch.float16).to(torch.float32)
+    return codes.to(torch.float32).mul(scale).to(dtype)
 """),
 }

@@ -6,7 +6,8 @@
    double precision over the same values, and prints one line per check and the vector width it
    ran. Exit status 0 where everything agreed to float32 rounding.
 
-   cpu_attention.c needs HEAD_DIM and GROUP (and KV_BF16 for bfloat16 keys and values) from -D. */
+   cpu_attention.c needs HEAD_DIM and GROUP (and KV_BF16 for bfloat16 keys and values, KV_INT8
+   for stage 4b's int8 slots) from -D. */
 #define _GNU_SOURCE
 #include <math.h>
 #include <stdio.h>
@@ -99,8 +100,8 @@ static void check_attention(void) {
     const int64_t slot = (int64_t)HK * D;                      /* one key's floats in a block */
     float *k32 = malloc(sizeof(float) * BLOCKS * BLOCK * slot);
     float *v32 = malloc(sizeof(float) * BLOCKS * BLOCK * slot);
-    kv_t *k = malloc(sizeof(kv_t) * BLOCKS * BLOCK * slot);
-    kv_t *v = malloc(sizeof(kv_t) * BLOCKS * BLOCK * slot);
+    kv_t *k = malloc(sizeof(kv_t) * BLOCKS * BLOCK * HK * ROW);   /* ROW: D, or D + 2 (int8) */
+    kv_t *v = malloc(sizeof(kv_t) * BLOCKS * BLOCK * HK * ROW);
     float *q = malloc(sizeof(float) * B * HK * G * D), *out = malloc(sizeof(float) * B * HK * G * D);
     int64_t table[B * WIDTH], seqlens[B] = {1, 0, 7, BLOCK, 23, BLOCK * WIDTH};
     int order[BLOCKS];
@@ -111,6 +112,27 @@ static void check_attention(void) {
         order[j] = t;
     }
     for (int i = 0; i < B * WIDTH; i++) table[i] = order[i];
+#ifdef KV_INT8
+    /* each (key, head) row: codes in [-127, 127] and a float16 scale, every third one subnormal
+       (then its mantissa times 2^-24); the values are code x scale, exact in float32 */
+    for (int64_t r = 0; r < (int64_t)BLOCKS * BLOCK * HK; r++)
+        for (int which = 0; which < 2; which++) {
+            float *x32 = which ? v32 : k32;
+            kv_t *x = which ? v : k;
+            const int tiny = next_int(3) == 0;
+            const uint16_t h = tiny ? (uint16_t)(1 + next_int(1023))
+                                    : to_f16((float)(1 + next_int(255)) / 2048.0f);
+            const float s = tiny ? (float)h * 0x1p-24f : (float)(h & 0x3ff | 0x400) *
+                                   ldexpf(1.0f, (h >> 10) - 25);
+            for (int d = 0; d < D; d++) {
+                const int code = next_int(255) - 127;
+                x[r * ROW + d] = (kv_t)code;
+                x32[r * D + d] = (float)code * s;
+            }
+            x[r * ROW + D] = (kv_t)(h & 0xff);
+            x[r * ROW + D + 1] = (kv_t)(h >> 8);
+        }
+#else
     for (int64_t i = 0; i < (int64_t)BLOCKS * BLOCK * slot; i++) {
         k32[i] = weight();
         v32[i] = weight();
@@ -122,6 +144,7 @@ static void check_attention(void) {
         v[i] = v32[i];
 #endif
     }
+#endif
     for (int i = 0; i < B * HK * G * D; i++) q[i] = (float)(next_int(2001) - 1000) / 500.0f;
     const float scale = 1.0f / sqrtf((float)D);
     double worst = 0.0;
@@ -156,6 +179,8 @@ static void check_attention(void) {
     snprintf(what, sizeof what, "paged attention, %s keys and values, head dim %d, group %d",
 #ifdef KV_BF16
              "bfloat16",
+#elif defined(KV_INT8)
+             "int8",
 #else
              "float32",
 #endif

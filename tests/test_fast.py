@@ -454,6 +454,23 @@ def test_batch_one_on_the_fast_engine_attends_through_one_plan_a_step(compiled_p
     assert_through_plans(calls, plans, every_layer, steps=7)
 
 
+def test_int8_blocks_on_the_compiled_step_attend_through_one_plan_a_step(compiled_pair,
+                                                                        monkeypatch):
+    """kv_dtype="int8" (stage 4b) on the compiled decode step: every layer of every decode step
+    goes through the step's plan (operators.cpp quantizing k/v into their slots with
+    int8_slots.c, then the C kernel; where it is not built, `DecodeAttention.attend`); the
+    tokens are the eager speed layer's on int8 blocks."""
+    model, fast = compiled_pair
+    calls, plans = record_decode_attention(monkeypatch)
+    prompt = PROMPTS[2]
+    options = dict(cache="paged", stop_tokens=[], max_seq_len=64, block_size=4,
+                   engine_class=FastEngine, kv_dtype="int8")
+    got = generate(fast, [prompt], 8, **options)
+    every_layer = [(1, layer) for layer in range(model.args.n_layers)] * 7
+    assert_through_plans(calls, plans, every_layer, steps=7)
+    assert got == generate(model, [prompt], 8, **options)
+
+
 def record_decode_attention(monkeypatch):
     """Lists that fill in as `DecodeAttention`s serve layers in Python, (rows, layer) a call,
     and as their plans are installed for operators.cpp's `attend` (rows a step)."""

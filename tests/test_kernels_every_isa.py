@@ -1,7 +1,8 @@
 """The C kernels built for every vector width `minipaged/simd.h` knows, each checked against plain
 loops in double precision (tests/kernels_check.c: panels.c's products with float32, bfloat16
 and float16 weights, 1 to 30 rows, 1 and 2 threads; cpu_attention.c's walk over scattered
-blocks, float32 and bfloat16 keys and values):
+blocks, float32 and bfloat16 keys and values, and stage 4b's int8 slots with their float16
+scales, subnormal ones included):
 
     native   this CPU, as the package builds them (-march=native)
     avx2     AVX2 and FMA, forced with -march=x86-64-v3 on an x86 CPU that runs it
@@ -38,11 +39,14 @@ def cpu_flags() -> set[str]:
                      if line.startswith("flags")), "").split())
 
 
-def build_and_run(tmp_path, cc, flags, runner=(), kv_bf16=False) -> str:
+KV = {"float32": [], "bfloat16": ["-DKV_BF16"], "int8": ["-DKV_INT8"]}   # cpu_attention.c's
+
+
+def build_and_run(tmp_path, cc, flags, runner=(), kv="float32") -> str:
     """Build kernels_check.c with `cc` and `flags`, run it (through `runner`), return its
     output; the build and the run must succeed."""
     exe = tmp_path / "kernels_check"
-    defines = ["-DHEAD_DIM=64", "-DGROUP=3", *(["-DKV_BF16"] if kv_bf16 else [])]
+    defines = ["-DHEAD_DIM=64", "-DGROUP=3", *KV[kv]]
     subprocess.run([cc, "-O3", *flags, "-fopenmp", "-ffast-math", *defines, str(CHECK), "-o",
                     str(exe), "-lm"], check=True, capture_output=True, text=True, timeout=300)
     done = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
@@ -69,22 +73,22 @@ def native_isa() -> str:
     return "neon" if platform.machine().lower() in ("aarch64", "arm64") else "plain"
 
 
-@pytest.mark.parametrize("kv_bf16", [False, True], ids=["kv-float32", "kv-bfloat16"])
-def test_the_native_build_agrees_with_plain_loops(tmp_path, kv_bf16):
+@pytest.mark.parametrize("kv", list(KV), ids=[f"kv-{k}" for k in KV])
+def test_the_native_build_agrees_with_plain_loops(tmp_path, kv):
     if os.environ.get("MINIPAGED_MARCH"):
         pytest.skip("MINIPAGED_MARCH names another CPU than this one")
-    output = build_and_run(tmp_path, compiler(), target_flags(), kv_bf16=kv_bf16)
-    assert_every_check_agreed(output, native_isa(), "bfloat16" if kv_bf16 else "float32")
+    output = build_and_run(tmp_path, compiler(), target_flags(), kv=kv)
+    assert_every_check_agreed(output, native_isa(), kv)
 
 
 @pytest.mark.skipif(not X86, reason="x86 builds run on an x86 CPU")
 @pytest.mark.parametrize("isa, march", [("avx2", "x86-64-v3"), ("plain", "x86-64")])
-@pytest.mark.parametrize("kv_bf16", [False, True], ids=["kv-float32", "kv-bfloat16"])
-def test_the_x86_builds_agree_with_plain_loops(tmp_path, isa, march, kv_bf16):
+@pytest.mark.parametrize("kv", list(KV), ids=[f"kv-{k}" for k in KV])
+def test_the_x86_builds_agree_with_plain_loops(tmp_path, isa, march, kv):
     if isa == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_flags():
         pytest.skip("this CPU cannot run AVX2 code")
-    output = build_and_run(tmp_path, compiler(), [f"-march={march}"], kv_bf16=kv_bf16)
-    assert_every_check_agreed(output, isa, "bfloat16" if kv_bf16 else "float32")
+    output = build_and_run(tmp_path, compiler(), [f"-march={march}"], kv=kv)
+    assert_every_check_agreed(output, isa, kv)
 
 
 def arm_tools() -> str | None:
@@ -96,13 +100,13 @@ def arm_tools() -> str | None:
            "qemu-user" if missing else None
 
 
-@pytest.mark.parametrize("kv_bf16", [False, True], ids=["kv-float32", "kv-bfloat16"])
-def test_the_neon_build_agrees_with_plain_loops_under_qemu(tmp_path, kv_bf16):
+@pytest.mark.parametrize("kv", list(KV), ids=[f"kv-{k}" for k in KV])
+def test_the_neon_build_agrees_with_plain_loops_under_qemu(tmp_path, kv):
     why = arm_tools()
     if why and os.environ.get("CI") and X86:          # CI installs the tools: never skip there
         pytest.fail(why)
     if why:
         pytest.skip(why)
     output = build_and_run(tmp_path, CROSS, ["-static"], runner=["qemu-aarch64"],
-                           kv_bf16=kv_bf16)
-    assert_every_check_agreed(output, "neon", "bfloat16" if kv_bf16 else "float32")
+                           kv=kv)
+    assert_every_check_agreed(output, "neon", kv)

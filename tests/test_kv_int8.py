@@ -337,8 +337,9 @@ def test_beams_forked_on_int8_blocks_score_as_an_unshared_int8_run(f32):
 def test_bad_kv_dtype_is_one_clear_error(f32):
     with pytest.raises(RequestError, match="kv_dtype must be None"):
         generate(f32, [[1, 2]], 2, cache="paged", kv_dtype="int4")
-    with pytest.raises(RequestError, match="read by the backends 'auto', 'torch', 'cpu'"):
-        generate(f32, [[1, 2]], 2, cache="paged", kv_dtype="int8", backend="triton")
+    with pytest.raises(RequestError, match="read by the backends 'auto', 'torch', 'cpu', "
+                                           "'triton', not 'flash_attn'"):
+        generate(f32, [[1, 2]], 2, cache="paged", kv_dtype="int8", backend="flash_attn")
 
 
 def test_the_speed_layer_serves_int8_blocks_with_the_same_tokens(f32):
@@ -388,4 +389,144 @@ def test_the_c_kernel_reads_int8_slots_as_the_pytorch_path_does(f32, v_size):
         assert generate(f32, prompts, 10, cache="paged", block_size=4, stop_tokens=[],
                         kv_dtype="int8", backend="cpu") == \
             generate(f32, prompts, 10, cache="paged", block_size=4, stop_tokens=[],
+                     kv_dtype="int8")
+
+
+# -- the speed layer's own int8 attention -------------------------------------------------------
+
+def fast_int8_step(lengths, new, backend="auto", seed=3, dtype=torch.float32):
+    """A FastPagedCache of int8 blocks (2 layers, 4 query heads over 2 KV heads, head_dim 16,
+    blocks of 4) whose rows hold `lengths` quantized random tokens, prepared for a step of
+    `new` tokens a row."""
+    from minipaged.fast import FastPagedCache
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32, max_seq_len=96)
+    cache = FastPagedCache(args, 48, 4, len(lengths), 96, backend=backend, kv_dtype="int8",
+                           dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    for m in cache.managers:
+        for pool in (m.k_cache_paged, m.v_cache_paged):
+            pool.copy_(quantize_int8(torch.randn(*pool.shape[:-1], 16, generator=g)))
+    ids = list(range(len(lengths)))
+    for s, n in zip(ids, lengths):
+        cache.prepare([s], n)
+    cache.prepare(ids, new)
+    return cache
+
+
+@pytest.mark.parametrize("new, backend", [(1, "auto"), (5, "auto"), (20, "auto"), (1, "torch"),
+                                          (3, "torch")],
+                         ids=["decode-C-kernel", "verify-queries-as-rows", "chunk-gathered",
+                              "decode-torch", "verify-torch"])
+def test_the_speed_layer_reads_int8_blocks_as_the_pytorch_path_does(new, backend):
+    """FastPagedCache(kv_dtype="int8").attend writes each new token's codes and scale into the
+    slots stage 4b's PyTorch path writes (byte for byte) and attends as it does (float
+    rounding apart), on every way the speed layer serves a step: a decode step on the C kernel,
+    a verify pass as rows, a chunk gathered and read back, and its PyTorch backend."""
+    lengths = [9, 4, 7, 12, 1]
+    cache = fast_int8_step(lengths, new, backend)
+    a, B = cache.args, len(lengths)
+    g = torch.Generator().manual_seed(4)
+    for layer, m in enumerate(cache.managers):
+        q = torch.randn(B, new, a.n_heads, a.head_dim, generator=g)
+        k, v = (torch.randn(B, new, a.n_kv_heads, a.head_dim, generator=g) for _ in range(2))
+        pools = m.k_cache_paged.clone(), m.v_cache_paged.clone()
+        want = flash_attn_with_int8_kvcache(q, *pools, k, v, cache.cache_seqlens,
+                                            cache.block_tables[layer], backend="torch")
+        got = cache.attend(layer, q, k, v)
+        assert torch.equal(m.k_cache_paged, pools[0]) and torch.equal(m.v_cache_paged, pools[1])
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert cache._implementation == ("cpu" if backend == "auto" else "torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [[9], [9, 4, 7, 12, 1]])
+def test_the_decode_plan_reads_int8_blocks_as_the_caches_attend_does(lengths, dtype):
+    """A decode step's `DecodeAttention` (what a compiled step's layers call) on int8 blocks,
+    and the C++ `attend` on its plan (operators.cpp, where it builds), for a model in fp32 or
+    bf16: k/v quantized into the same slots and bit for bit the output of the cache's
+    `attend`."""
+    from minipaged.fast import compiled as compiled_module, operators
+    ways = ["plan", "attend"] + (["operator"] if operators.build() is None else [])
+    out = {}
+    for way in ways:
+        cache = fast_int8_step(lengths, 1, dtype=dtype)
+        a, B = cache.args, len(lengths)
+        step = cache.decode_attention() if way == "plan" else cache
+        g = torch.Generator().manual_seed(5)
+        ys = []
+        for layer in range(a.n_layers):
+            q, k, v = (torch.randn(B, 1, h, a.head_dim, generator=g).to(dtype)
+                       for h in (a.n_heads, a.n_kv_heads, a.n_kv_heads))
+            if way == "operator":
+                with compiled_module.running_on(cache, B, 1):
+                    compiled_module._caches[-1] = None     # the Python function would fail
+                    ys.append(torch.ops.minipaged.attend(q, k, v, layer))
+            else:
+                ys.append(step.attend(layer, q, k, v))
+        out[way] = ys, [(m.k_cache_paged.clone(), m.v_cache_paged.clone())
+                        for m in cache.managers]
+    for way in ways[:1] + ways[2:]:
+        for y1, y2 in zip(out[way][0], out["attend"][0]):
+            assert y1.dtype == dtype and torch.equal(y1, y2), way
+        for (k1, v1), (k2, v2) in zip(out[way][1], out["attend"][1]):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2), way
+
+
+def test_the_c_quantizer_writes_quantize_int8s_bytes():
+    """The speed layer's quantize-on-write in C (fast/int8_slots.c) writes, into scattered
+    slots, the bytes of `quantize_int8` for rows of every magnitude: zeros, scales that are
+    subnormal or underflow to 0 in float16, past float16's range (clipped at 65504), ties of
+    the rounding (x / scale = k + 0.5) and the bf16 values a bf16 model hands it."""
+    from minipaged.fast.paged import int8_writer
+    write = int8_writer()
+    assert not isinstance(write, str), write
+    g = torch.Generator().manual_seed(7)
+    B, Hk, D = 64, 2, 32
+    x = torch.randn(B, Hk, D, generator=g) * torch.logspace(-10, 10, B)[:, None, None]
+    x[0] = 0
+    x[1, 0] = torch.arange(D) - 15.5                  # scale 1.0 (max 127): x / scale = k + 0.5
+    x[1, 0, 0] = 127
+    x[2, 1] = x[1, 0] / 4                             # scale 0.25: ties again
+    x[3] = x[3].bfloat16().float()
+    slots = torch.randperm(200, generator=g)[:B]
+    pool = torch.zeros(200, Hk, D + 2, dtype=torch.int8)
+    write(x.contiguous().data_ptr(), pool.data_ptr(), slots.contiguous().data_ptr(), B, Hk, D)
+    assert torch.equal(pool[slots], quantize_int8(x))
+    assert int((pool.abs().sum((1, 2)) > 0).sum()) <= B                 # nothing else written
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("T, v_size", [(1, 1.0), (3, 1.0), (1, 1e-4)],
+                         ids=["decode", "chunk", "decode-subnormal-v-scales"])
+def test_the_triton_kernel_reads_int8_slots_as_the_pytorch_path_does(f32, T, v_size,
+                                                                     num_splits):
+    """backend="triton" (Triton's interpreter on a CPU): the kernel reads each slot's codes and
+    float16 scale where they lie, one program per row or split in two; its output is the
+    PyTorch path's to float rounding, decode steps and chunks (bottom-right causal) alike, keys
+    of many sizes and values whose scales are subnormal float16 numbers; a whole run gives
+    the same tokens."""
+    q, lens, table, k_old, v_old, k_new, v_new, bs, N = random_paged_call(3)
+    k_new, v_new, q = k_new[:, :T], v_new[:, :T] * v_size, q[:, :T]
+    B, _, Hk, D = k_new.shape
+    pools = torch.zeros(2, N, bs, Hk, D + 2, dtype=torch.int8)
+    for b in range(B):
+        for p in range(int(lens[b])):
+            blk, off = int(table[b, p // bs]), p % bs
+            pools[0, blk, off] = quantize_int8(k_old[b, p] * 10 ** (p % 5 - 2))
+            pools[1, blk, off] = quantize_int8(v_old[b, p] * v_size)
+    want = flash_attn_with_int8_kvcache(q, *pools.clone(), k_new, v_new, lens, table,
+                                        backend="torch")
+    if num_splits == 1:
+        got = flash_attn_with_int8_kvcache(q, *pools, k_new, v_new, lens, table, backend="triton")
+    else:                        # stage 3b's kernel called directly, as split in two partitions
+        from minipaged.kv_quant import write_new_kv
+        from minipaged.triton_attention import triton_paged_attention
+        write_new_kv(*pools, quantize_int8(k_new), quantize_int8(v_new), table.long(), lens)
+        got = triton_paged_attention(q, *pools, table, lens.long() + T, num_splits=2)
+    assert torch.allclose(got, want, atol=1e-5 * v_size, rtol=1e-4)
+    if (T, v_size, num_splits) == (1, 1.0, 1):
+        prompts = prompts_of(12, (7, 12))
+        assert generate(f32, prompts, 6, cache="paged", block_size=4, stop_tokens=[],
+                        kv_dtype="int8", backend="triton") == \
+            generate(f32, prompts, 6, cache="paged", block_size=4, stop_tokens=[],
                      kv_dtype="int8")

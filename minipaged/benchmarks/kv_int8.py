@@ -13,8 +13,14 @@
    perplexity of the embedded corpus's held-out dialogs in windows of 256 tokens.
 3. Speed: one layer's decode attention at `--contexts` tokens of context, batch 1 and 16,
    SmolLM2's heads (9 query, 3 KV, head_dim 64), on stage 3's PyTorch path (write, gather,
-   attend) and on stage 3b's C kernel (`backend="cpu"`, which reads the blocks where they lie);
-   the median of `--repeats` calls, int8 beside fp32 and bf16 in the same run.
+   attend), on stage 3b's C kernel (`backend="cpu"`, which reads the blocks where they lie) and
+   on the speed layer's decode step (`minipaged.fast`: the step planned once, each layer's new
+   k/v written as slots, int8 ones quantized, then the C kernel); the median of `--repeats`
+   calls, int8 beside fp32 and bf16 in the same run.
+4. The scale's bytes: the float16 scale kept here (2 bytes per head_dim codes) against a 1-byte
+   power-of-two one (the OCP MX formats' E8M0: scale 2^ceil(log2(max|x| / 127)), so no code
+   clips): tokens a budget holds beside bf16's, and the error each leaves on the model's own
+   K and V rows (every layer, a held-out window), ||x - read back|| / ||x|| per row.
 """
 
 from __future__ import annotations
@@ -33,11 +39,12 @@ from .. import cli
 from ..api import generate
 from ..embedded.corpus import build_corpus
 from ..embedded.train import token_stream
+from ..fast import FastPagedCache, kernels
 from ..formats import chat_format, load_model, load_tokenizer, packaged_model_path
 from ..kv_budget import num_blocks_for_budget
 from ..kv_cache import kv_bytes_per_token
 from ..kv_formats import stored_layout
-from ..kv_quant import flash_attn_with_int8_kvcache, quantize_int8
+from ..kv_quant import QMAX, dequantize_int8, flash_attn_with_int8_kvcache, quantize_int8
 from ..model import ModelArgs
 from ..paged_attention import flash_attn_with_kvcache
 from ..paged_cache import PagedCache
@@ -121,18 +128,18 @@ def attention_speed(contexts, batches, repeats: int, backend: str, Hq=9, Hk=3, D
             per_row = -(-(ctx + 1) // block_size)
             table = torch.randperm(B * per_row, generator=g).view(B, per_row).int()
             lens = torch.full((B,), ctx, dtype=torch.int32)
-            kv = torch.randn(B * per_row, block_size, Hk, D, generator=g)
+            kv = [torch.randn(B * per_row, block_size, Hk, D, generator=g) for _ in range(2)]
             q, k, v = (torch.randn(B, 1, h, D, generator=g) for h in (Hq, Hk, Hk))
-            for name in ("fp32", "bf16", "int8"):
+            for name in ("fp32", "bf16", "int8"):                 # k and v: pools of their own
                 if name == "int8":
-                    pool = quantize_int8(kv)
+                    kc, vc = map(quantize_int8, kv)
                     call = lambda: flash_attn_with_int8_kvcache(  # noqa: E731
-                        q, pool, pool, k, v, lens, table, backend=backend)
+                        q, kc, vc, k, v, lens, table, backend=backend)
                 else:
                     dt = torch.float32 if name == "fp32" else torch.bfloat16
-                    pool, qd, kd, vd = kv.to(dt), q.to(dt), k.to(dt), v.to(dt)
+                    (kc, vc), qd, kd, vd = (x.to(dt) for x in kv), q.to(dt), k.to(dt), v.to(dt)
                     call = lambda: flash_attn_with_kvcache(  # noqa: E731
-                        qd, pool, pool, kd, vd, cache_seqlens=lens, block_table=table,
+                        qd, kc, vc, kd, vd, cache_seqlens=lens, block_table=table,
                         causal=True, backend=backend)
                 call()
                 times = []
@@ -141,6 +148,74 @@ def attention_speed(contexts, batches, repeats: int, backend: str, Hq=9, Hk=3, D
                     call()
                     times.append(time.perf_counter() - start)
                 out[ctx, B, name] = statistics.median(times) * 1e6
+    return out
+
+
+def speed_layer_speed(contexts, batches, repeats: int, Hq=9, Hk=3, D=64, block_size=16):
+    """Median microseconds of one layer's decode attention on the speed layer's cache
+    (`FastPagedCache.decode_attention().attend`: the new k/v into their slots, quantized for
+    int8, then the C kernel), per (context, batch) and format."""
+    g = torch.Generator().manual_seed(0)
+    args = ModelArgs(dim=Hq * D, n_layers=1, n_heads=Hq, n_kv_heads=Hk,
+                     max_seq_len=max(contexts) + 1)
+    out = {}
+    for ctx in contexts:
+        for B in batches:
+            per_row = -(-(ctx + 1) // block_size)
+            q, k, v = (torch.randn(B, 1, h, D, generator=g) for h in (Hq, Hk, Hk))
+            kv = [torch.randn(B * per_row, block_size, Hk, D, generator=g) for _ in range(2)]
+            for name, dt, kv_dtype in (("fp32", torch.float32, None),
+                                       ("bf16", torch.bfloat16, None),
+                                       ("int8", torch.float32, "int8")):
+                cache = FastPagedCache(args, B * per_row, block_size, B, ctx + 1, dtype=dt,
+                                       kv_dtype=kv_dtype)
+                m = cache.managers[0]
+                for pool, x in zip((m.k_cache_paged, m.v_cache_paged), kv):
+                    pool.copy_(quantize_int8(x) if kv_dtype else x.to(dt))
+                cache.prepare(list(range(B)), ctx)
+                cache.prepare(list(range(B)), 1)
+                step = cache.decode_attention()
+                qd, kd, vd = q.to(dt), k.to(dt), v.to(dt)
+                step.attend(0, qd, kd, vd)
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    step.attend(0, qd, kd, vd)
+                    times.append(time.perf_counter() - start)
+                out[ctx, B, name] = statistics.median(times) * 1e6
+                del cache, step
+    return out
+
+
+def pow2_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """Rows (..., D) through int8 codes with a power-of-two scale (what a 1-byte E8M0 scale
+    stores): scale = 2^ceil(log2(max|x| / 127)), codes = round(x / scale); read back."""
+    amax = x.abs().amax(-1, keepdim=True).float()
+    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / QMAX))), 0)
+    codes = torch.where(scale > 0, x / scale, 0).round().clamp(-QMAX, QMAX)
+    return codes * scale
+
+
+@torch.inference_mode()
+def scale_formats(model, stream, window: int = 256) -> dict:
+    """Per scale format (float16, E8M0): (bytes a (token, head) row takes, mean relative error
+    of the model's K rows, of its V rows), the rows of every layer over one held-out window."""
+    cache = PagedCache(model.args, window // 16, 16, 1, window)
+    cache.prepare([0], window)
+    model(stream[None, :window], cache=cache)
+    rows = {"K": [], "V": []}
+    for m in cache.managers:
+        table = m.block_table[0, :window // 16].long()
+        rows["K"].append(m.k_cache_paged[table].flatten(0, 2))         # (tokens * Hk, D)
+        rows["V"].append(m.v_cache_paged[table].flatten(0, 2))
+    D, out = model.args.head_dim, {}
+    for name, bytes_, roundtrip in (("float16", D + 2, lambda x: dequantize_int8(quantize_int8(x))),
+                                    ("E8M0", D + 1, pow2_roundtrip)):
+        errors = []
+        for kv in ("K", "V"):
+            x = torch.cat(rows[kv])
+            errors.append(float(((roundtrip(x) - x).norm(dim=-1) / x.norm(dim=-1)).mean()))
+        out[name] = (bytes_, *errors)
     return out
 
 
@@ -203,10 +278,25 @@ def main(argv=None):
     if not args.skip_accuracy:
         console.print(t)
 
-    for backend, path in (("torch", "stage 3's PyTorch path"), ("cpu", "stage 3b's C kernel")):
+    t = Table(title="4. The scale: float16 (kept) against a 1-byte power of two (E8M0), on the "
+                    "model's own K/V rows (all layers, 256 held-out tokens)")
+    for c in ("model", "scale", "bytes per head_dim values", "tokens / bf16's at one budget",
+              "mean relative error, K rows", "V rows"):
+        t.add_column(c, justify="right")
+    for name, (model, tok) in loaded.items():
+        stream = token_stream(chat_format(tok), build_corpus().heldout)
+        D = model.args.head_dim
+        for scale, (nbytes, k_err, v_err) in scale_formats(model, stream).items():
+            t.add_row(name, scale, f"{nbytes} per {D}", f"{2 * D / nbytes:.2f}x",
+                      f"{k_err:.4f}", f"{v_err:.4f}")
+    console.print(t)
+
+    for backend, path in (("torch", "stage 3's PyTorch path"), ("cpu", "stage 3b's C kernel"),
+                          ("fast", "the speed layer's decode step")):
         if args.skip_speed:
             break
-        speed = attention_speed(args.contexts, (1, 16), args.repeats, backend)
+        speed = speed_layer_speed(args.contexts, (1, 16), args.repeats) if backend == "fast" \
+            else attention_speed(args.contexts, (1, 16), args.repeats, backend)
         t = Table(title=f"3. One layer's decode attention, {path}, microseconds (median), "
                         f"SmolLM2's heads: 9 query, 3 KV, head_dim 64")
         for c in ("context", "batch", "fp32", "bf16", "int8", "int8 / fp32", "int8 / bf16"):
@@ -217,6 +307,8 @@ def main(argv=None):
                 t.add_row(f"{ctx:,}", str(B), f"{f32:,.0f}", f"{b16:,.0f}", f"{i8:,.0f}",
                           f"{i8 / f32:.2f}", f"{i8 / b16:.2f}")
         console.print(t)
+    console.print(f"[dim]CPU: {kernels()['cpu']}; attention kernel: "
+                  f"{kernels(torch.float32, 64, 3)['attention']}[/dim]")
     console.print(f"[dim]{torch.get_num_threads()} torch thread(s), load average "
                   f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.[/dim]")
 

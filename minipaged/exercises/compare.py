@@ -13,7 +13,8 @@ beside parallel samples (`"samples"`: the tokens of n=2 samples per prompt). 3b 
 (`viz.plot_running_softmax`); 5 both timelines (`viz.plot_timeline`); 6b both beam trees
 (`viz.plot_beam_tree`). Stage 7 returns the greedy tokens of the engine with n-gram speculation
 and what speculation did (`{"tokens": ..., "stats": SpeculativeStats}`). The other stages return
-what they produce (tokens, outputs, a KVWaste) with no figure.
+what they produce (tokens, outputs, a KVWaste; 4b the greedy tokens on int8 blocks) with no
+figure.
 
 `yours` is a sentence instead when the workspace has no folder, leaves a function unwritten,
 or raises (the error and your line that raised it): then only the reference runs and is drawn,
@@ -156,6 +157,9 @@ def _run(stage: str):
     if stage == "4":
         return fragmentation.waste([5, 9, 2], [8, 12, 4], [6, 12, 3], capacity=40,
                                    pieces=[4, 8, 4], next_need=10)
+    if stage == "4b":
+        return generate(model, prompts, 6, cache="paged", block_size=4, kv_dtype="int8",
+                        stop_tokens=[], backend="torch")
     if stage in ("5", "5b"):
         options = dict(max_num_batched_tokens=4) if stage == "5b" else {}
         engine = (Engine if stage == "5" else ChunkedEngine)(

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from . import checks as c
 
-STAGES = ("1", "2", "3", "3b", "4", "5", "5b", "6", "6b", "7", "9", "9b")
+STAGES = ("1", "2", "3", "3b", "4", "4b", "5", "5b", "6", "6b", "7", "9", "9b")
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class Task:
 S2 = (c.take_matches_the_documented_draw, c.allocator_matches_a_list_model, c.paged_cache_tokens,
       c.later_stages_build_on_your_allocator)
 S3 = (c.paged_attention_matches_dense, c.paged_call_tokens)
+S4B = (c.int8_attention_reads_what_was_written,)
 S5 = (c.engine_is_fcfs_and_preempts_the_newest,)
 S5B = (c.admissible_is_the_largest_chunk_that_fits, c.chunked_engine_keeps_the_budget,
        c.chunks_fill_the_budget)
@@ -80,6 +81,15 @@ TASKS = (
          "split free slots into external fragmentation and idle",
          "lessons/04-fragmentation.md, section Five kinds of slot",
          (c.split_free_matches_the_definition,)),
+    Task("4b.quantize", "4b", "stage4b_kv_quant.py", "minipaged.kv_quant.quantize_int8",
+         "each row's int8 codes, then its float16 scale max|x| / 127 as 2 bytes: codes "
+         "computed with the scale as stored",
+         "lessons/04b-kv-in-fewer-bytes.md, section One scale per token and head",
+         (c.quantize_matches_the_reference, *S4B)),
+    Task("4b.dequantize", "4b", "stage4b_kv_quant.py", "minipaged.kv_quant.dequantize_int8",
+         "read a slot back: its codes times the float16 scale in its last 2 bytes",
+         "lessons/04b-kv-in-fewer-bytes.md, section One scale per token and head",
+         (c.dequantize_matches_the_reference, *S4B)),
     Task("5.decodes", "5", "stage5_scheduler.py",
          "minipaged.scheduler.Scheduler._schedule_decodes",
          "a slot for every running request, oldest first; preempt the newest when dry",

@@ -14,8 +14,10 @@
     contiguous.py   FastContiguousCache: stage 1's contiguous cache, decode row by row over views
     paged.py        FastPagedCache, FastEngine: stage 3's paged cache with a step's bookkeeping
                     planned once for all layers, and stage 3b's C kernel for decode on a CPU
-                    (and for stage 7's verify pass, a query at a time); FastEngine takes
-                    every option of `minipaged.Engine`, speculative decoding included
+                    (and for stage 7's verify pass, a query at a time), int8 blocks (stage
+                    4b) included, quantized in C as they are written (int8_slots.c);
+                    FastEngine takes every option of `minipaged.Engine`, speculative decoding
+                    included
     kernels.py      kernels(dtype): which kernels run here, in words (the CPU, the vector width
                     the C kernels were built for, products and attention)
     threads.py      AdaptiveThreads: FastEngine's steps on one thread fewer while another

@@ -8,8 +8,8 @@
 //                            (PANEL and MOST_ROWS come from matvec.py, -D)
 //   minipaged::attend        paged.py's `DecodeAttention.attend` while a decode step's plan is
 //                            installed (`minipaged_install_plan`, by compiled.py for the step):
-//                            each row's new k and v copied into its slot, then stage 3b's C
-//                            kernel. With no plan, or a call the plan does not fit, the
+//                            each row's new k and v copied into its slot (int8 blocks: quantized
+//                            into it by int8_slots.c), then stage 3b's C kernel. With no plan, or a call the plan does not fit, the
 //                            operator's Python function (compiled.py's `attend`), through
 //                            `minipaged::attend_python`.
 #include <ATen/Parallel.h>
@@ -73,15 +73,18 @@ typedef void (*decode_kernel)(const float *q, const void *k_cache, const void *v
                               const int64_t *block_table, int64_t table_width,
                               const int64_t *seqlens, int B, int Hk, int block_size, float scale,
                               float *out, int threads);
+typedef void (*quantize_kernel)(const float *x, int8_t *pool, const int64_t *slots, int B,
+                                int Hk, int D);
 struct DecodePlan {
     decode_kernel kernel;     // cpu_attention.c's paged_attention_decode for this dtype
     int64_t layers, rows, heads, kv_heads, head_dim, block_size, width, token_bytes;
-    int64_t bf16;             // the pools' dtype: bfloat16 (1) or float32 (0)
+    int64_t bf16;             // the new k/v's dtype: bfloat16 (1) or float32 (0)
     float scale;
     const int64_t *lens;      // (rows,) keys each row attends over, the new one included
     const int64_t *slots;     // (layers, rows) where each row's new k and v go
     const int64_t *tables;    // (layers, rows, width) block tables
     char *const *pools;       // (layers, 2) each layer's k pool and v pool
+    quantize_kernel quantize; // int8 pools (stage 4b): int8_slots.c's write_int8_slots, else null
 };
 
 static const DecodePlan *installed = nullptr;
@@ -112,9 +115,17 @@ static at::Tensor attend_cpu(const at::Tensor &q, const at::Tensor &k, const at:
     const char *k_new = static_cast<const char *>(k_.const_data_ptr());
     const char *v_new = static_cast<const char *>(v_.const_data_ptr());
     const int64_t *slots = p->slots + layer * p->rows, n = p->token_bytes;
-    for (int64_t r = 0; r < p->rows; r++) {              // the new tokens into their slots
-        std::memcpy(k_pool + slots[r] * n, k_new + r * n, n);
-        std::memcpy(v_pool + slots[r] * n, v_new + r * n, n);
+    if (p->quantize) {                                   // int8: quantized into their slots
+        at::Tensor k32 = k_.to(at::kFloat).contiguous(), v32 = v_.to(at::kFloat).contiguous();
+        p->quantize(k32.const_data_ptr<float>(), reinterpret_cast<int8_t *>(k_pool), slots,
+                    p->rows, p->kv_heads, p->head_dim);
+        p->quantize(v32.const_data_ptr<float>(), reinterpret_cast<int8_t *>(v_pool), slots,
+                    p->rows, p->kv_heads, p->head_dim);
+    } else {
+        for (int64_t r = 0; r < p->rows; r++) {          // the new tokens into their slots
+            std::memcpy(k_pool + slots[r] * n, k_new + r * n, n);
+            std::memcpy(v_pool + slots[r] * n, v_new + r * n, n);
+        }
     }
     at::Tensor q32 = q.to(at::kFloat).contiguous();
     at::Tensor out = at::empty(q.sizes(), q32.options());

@@ -10,8 +10,9 @@ and registers C++ kernels for both on the CPU, which then serve every CPU call:
   * `panel_linear`: the same work as matvec.py's `panel_linear`;
   * `attend`: while a decode step's plan is installed (`install`, which compiled.py does for
     each compiled step on the speed layer's paged cache), the same work as paged.py's
-    `DecodeAttention.attend` — each row's new k and v copied into its slot, then stage 3b's C
-    kernel; any other call (no plan: a prompt, a packed step with prompt tokens, the
+    `DecodeAttention.attend` — each row's new k and v copied into its slot (on int8 blocks,
+    quantized into it by fast/int8_slots.c, whose function the plan points at), then stage
+    3b's C kernel; any other call (no plan: a prompt, a packed step with prompt tokens, the
     contiguous cache; or a call the plan does not fit) goes to the Python function through
     `minipaged::attend_python`.
 
@@ -62,7 +63,8 @@ class DecodePlan(ctypes.Structure):
                     "token_bytes", "bf16")),
                 ("scale", ctypes.c_float),
                 ("lens", ctypes.c_void_p), ("slots", ctypes.c_void_p),
-                ("tables", ctypes.c_void_p), ("pools", ctypes.c_void_p)]
+                ("tables", ctypes.c_void_p), ("pools", ctypes.c_void_p),
+                ("quantize", ctypes.c_void_p)]
 
 
 def cxx_compiler() -> str | None:

@@ -20,7 +20,11 @@ every layer but for the block ids. `FastPagedCache` does it once per step for al
     PyTorch's flash attention, in the cache's dtype (`attend_chunks`);
   * a decode step (every row one new token) on the C kernel works out what every layer's
     attention needs once (`DecodeAttention`: slots, int64 tables, kernel arguments), so a
-    layer is two copies and the kernel call.
+    layer is two copies and the kernel call;
+  * int8 blocks (stage 4b, `kv_dtype="int8"`) take the same ways: the new k/v are written as
+    slots (quantized; in a decode step, in C straight into the pool: `int8_slots.c`), the C
+    kernel reads codes and scales where they lie, and the gathering paths read the slots back
+    as floats (`KVFormat.read`).
 
 `FastSharedPagedCache` is the same over stage 6's shared blocks, and `FastEngine` is the engine
 (`minipaged.Engine`) on it: `generate(model, prompts, n, cache="paged",
@@ -34,6 +38,7 @@ import ctypes
 import functools
 import itertools
 import weakref
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -45,8 +50,9 @@ from ..cache_manager import PAD_BLOCK
 from ..cache_checks import check_step_ids, check_step_room
 from ..checks import check_count, check_flag
 from ..chunked_engine import PackedBatch
-from ..cpu_attention import KV_TYPES, build, decode_attention, why_not_cpu
+from ..cpu_attention import FLAGS, KV_TYPES, build, build_function, decode_attention, why_not_cpu
 from ..errors import RequestError
+from ..kv_formats import KV_FORMATS
 from ..paged_cache import PagedCache
 from ..sharing import SharedPagedCache
 from ..speculative import SpeculativeEngine
@@ -95,11 +101,13 @@ def plan_step(block_tables, cache_seqlens, num_new_tokens: int, block_size: int,
         seqlens_k, block_tables.numpy(), tables, positions, slot_mapping)))
 
 
-def attend_step(q, k, v, k_cache, v_cache, step: PagedStep, layer: int, name: str):
+def attend_step(q, k, v, k_cache, v_cache, step: PagedStep, layer: int, name: str, read=None):
     """`flash_attn_with_kvcache(q, k_cache, v_cache, k, v, causal=True)` for layer `layer` of a
     step that `plan_step` planned, on the implementation `name` that `pick_backend` chose for
     the step: write the new k/v into their slots, then attend. The cache that built `step` is
-    trusted: nothing is checked again here."""
+    trusted: nothing is checked again here. `read`: a KV format's (stage 4b's int8), whose k/v
+    come already written as slots (`KVFormat.write`): the C kernel reads the slots where they
+    lie, and every other path gathers them and reads them back as q's dtype first."""
     if name == "flash_attn":          # flash-attn's kernel writes k/v itself
         return flash_attn.flash_attn_with_kvcache(
             q, k_cache, v_cache, k=k, v=v, cache_seqlens=step.cache_seqlens,
@@ -112,8 +120,8 @@ def attend_step(q, k, v, k_cache, v_cache, step: PagedStep, layer: int, name: st
     table = step.tables[layer]
     if name == "cpu" and 1 < q.shape[1] <= QUERIES_AS_ROWS and k_cache.dtype in KV_TYPES:
         return attend_queries_as_rows(q, k_cache, v_cache, table, step.seqlens_k)
-    if name == "cpu" and q.shape[1] > QUERIES_AS_ROWS:
-        return attend_chunks(q, k_cache, v_cache, table, step.seqlens_k)
+    if name == "cpu" and q.shape[1] > QUERIES_AS_ROWS or read is not None and name != "cpu":
+        return attend_chunks(q, k_cache, v_cache, table, step.seqlens_k, read)
     if name == "torch" and q.shape[1] == 1:
         lens = step.seqlens_k.tolist()
         if min(lens) < max(lens):
@@ -141,12 +149,13 @@ def attend_queries_as_rows(q, k_cache, v_cache, table, seqlens_k):
     return y.view(B, T, Hq, D)
 
 
-def attend_chunks(q, k_cache, v_cache, table, seqlens_k):
+def attend_chunks(q, k_cache, v_cache, table, seqlens_k, read=None):
     """A step of many new tokens per row (prompts, or chunks of them): each row's keys gathered
     from its blocks, then PyTorch's flash attention in the cache's dtype (on a CPU with bf16
     matrix instructions, bf16 runs three times faster than the float32 stage 3 widens it to),
     with flash's own causal mask where the chunk is the whole prompt, else the bottom-right
-    mask of a chunk after cached tokens."""
+    mask of a chunk after cached tokens. `read(slots, dtype)`: a KV format's slots read back
+    as q's dtype once gathered (stage 4b's int8)."""
     B, T, Hq, D = q.shape
     block_size = k_cache.shape[1]
     out = []
@@ -154,6 +163,8 @@ def attend_chunks(q, k_cache, v_cache, table, seqlens_k):
         blocks = table[b, :-(-L // block_size)]
         k, v = (c.index_select(0, blocks).flatten(0, 1)[:L].transpose(0, 1)[None]
                 for c in (k_cache, v_cache))                                 # (1, Hk, L, D)
+        if read is not None:                                         # slots -> values
+            k, v = read(k, q.dtype), read(v, q.dtype)
         mask = None if L == T else \
             torch.arange(L) <= torch.arange(L - T, L)[:, None]              # (T, L)
         out.append(F.scaled_dot_product_attention(
@@ -267,19 +278,22 @@ class FastSteps:
         self._implementation = None
 
     def attend(self, layer: int, q, k, v):
-        """Stage 3's attend, on the step `set_step` planned (int8 blocks: stage 4b's own)."""
-        if self.kv_dtype is not None:
-            return PagedCache.attend(self, layer, q, k, v)
-        m = self.managers[layer]
+        """Stage 3's attend, on the step `set_step` planned. Blocks of another format (stage
+        4b's int8): the new k/v written as its slots here, the C kernel reading them."""
+        m, form = self.managers[layer], KV_FORMATS.get(self.kv_dtype)
+        if form is not None:
+            k, v = form.write(k), form.write(v)               # (B, T, Hk, slot), e.g. int8
         return attend_step(q, k, v, m.k_cache_paged, m.v_cache_paged, self.plan, layer,
-                           self.implementation(q, layer))
+                           self.implementation(q, layer), form and form.read)
 
     def implementation(self, q, layer: int) -> str:
         """The implementation serving this step (`fast_backend`): chosen at the step's first
         attend, the same for every layer after it."""
         if self._implementation is None:
-            self._implementation = fast_backend(self.backend, q, self.managers[layer].k_cache_paged,
-                                                self.plan.block_tables[layer])
+            name = fast_backend(self.backend, q, self.managers[layer].k_cache_paged,
+                                self.plan.block_tables[layer])
+            # flash-attn reads caches of q's dtype: a KV format's slots go another way
+            self._implementation = "torch" if name == "flash_attn" and self.kv_dtype else name
         return self._implementation
 
 
@@ -290,9 +304,9 @@ class FastSteps:
         if plan is None or plan.positions.shape[1] != 1 or \
                 m.k_cache_paged.dtype not in KV_TYPES or m.k_cache_paged.device.type != "cpu":
             return None
-        Hk, D = m.k_cache_paged.shape[2:]
+        Hk, D = m.k_cache_paged.shape[2], self.args.head_dim
         q = torch.empty(plan.positions.shape[0], 1, self.args.n_heads, D,
-                        dtype=m.k_cache_paged.dtype)                          # shape, dtype
+                        dtype=self.dtype)                                     # shape, dtype
         if self.implementation(q, 0) != "cpu":
             return None
         return DecodeAttention(self, q.shape[2], Hk, D)
@@ -310,6 +324,19 @@ def decode_attention_of(cache):
     return plan() if plan is not None else None
 
 
+@functools.cache
+def int8_writer():
+    """int8_slots.c's `write_int8_slots` (stage 4b's quantize-on-write, in C, straight into the
+    pool), built without -ffast-math so that its divisions round as PyTorch's do; or a sentence
+    saying why it could not be built."""
+    fn = build_function(Path(__file__).with_name("int8_slots.c"), "write_int8_slots",
+                        flags=FLAGS[1:])
+    if not isinstance(fn, str):
+        P, I = ctypes.c_void_p, ctypes.c_int
+        fn.argtypes, fn.restype = [P, P, P, I, I, I], None
+    return fn
+
+
 class DecodeAttention:
     """A decode step on stage 3b's C kernel, B rows of one new token each: what every layer's
     `attend` needs, worked out once for the step. A layer's attention is a few dozen
@@ -319,18 +346,27 @@ class DecodeAttention:
     here a layer writes its k and v into their slots (two copies along the pools' slots; at
     one row, two plain memory copies) and calls the kernel, nothing more. The same numbers as
     `attend`. A compiled step's `attend` does the same in C++ (operators.cpp), from the plan
-    `address` lays out."""
+    `address` lays out. Int8 blocks (stage 4b): a layer quantizes its k and v straight into
+    their slots (`int8_writer`, in C: in PyTorch, quantizing cost more than attending at short
+    contexts; where it cannot be built, `KVFormat.write` and a copy), and the kernel reads
+    codes and scales where they lie; the C++ `attend` does the same from the plan (`address`),
+    calling the same C quantizer."""
 
     def __init__(self, cache, Hq: int, Hk: int, D: int):
         plan, managers = cache.plan, cache.managers
         pool = managers[0].k_cache_paged
         self.dtype, self.rows = pool.dtype, plan.positions.shape[0]
+        self.new_dtype = cache.dtype                             # the new k/v's (the model's)
+        self.write = cache.kv_dtype and KV_FORMATS[cache.kv_dtype].write   # None: as they are
+        writer = int8_writer() if cache.kv_dtype == "int8" else None
+        self.write_c = None if isinstance(writer, str) else writer          # quantize in C
         self.kernel = build(self.dtype, D, Hq // Hk)
-        self.shape, self.kv_shape = (self.rows, Hq, D), (self.rows, Hk, D)
-        self.nbytes = Hk * D * pool.itemsize                     # one token's k (or v)
+        slot = pool.shape[-1]                                    # D, or D + 2 for int8
+        self.shape, self.kv_shape = (self.rows, Hq, D), (self.rows, Hk, slot)
+        self.nbytes = Hk * slot * pool.itemsize                  # one token's k (or v)
         self.tables = plan.tables.contiguous()                   # (layers, B, n) int64
         self.lens = plan.seqlens_k.contiguous()                  # (B,) int64
-        self.slots = plan.slot_mapping                           # (layers, B): the new tokens'
+        self.slots = plan.slot_mapping.contiguous()              # (layers, B): the new tokens'
         self.managers, self.heads = managers, (Hq, Hk, D)
         self.block_size, self.scale = cache.block_size, D ** -0.5
         self.threads = torch.get_num_threads()
@@ -340,15 +376,18 @@ class DecodeAttention:
     def layers(self) -> list:
         """Per layer: (where k and v go, the kernel's other arguments), for `attend` (the C++
         kernel reads the same from `address`'s plan)."""
-        (_, Hk, D), width, table = self.heads, self.tables.shape[2], self.tables.data_ptr()
+        (_, Hk, _), width, table = self.heads, self.tables.shape[2], self.tables.data_ptr()
+        slot = self.kv_shape[2]
         layers = []
         for layer, m in enumerate(self.managers):
             kc, vc = m.k_cache_paged, m.v_cache_paged
-            if self.rows == 1:                                   # addresses, for memmove
+            if self.write_c:                                     # pools and slots, for C
+                to = (kc.data_ptr(), vc.data_ptr(), self.slots[layer].data_ptr())
+            elif self.rows == 1:                                 # addresses, for memmove
                 slot = int(self.slots[layer, 0])
                 to = (kc.data_ptr() + slot * self.nbytes, vc.data_ptr() + slot * self.nbytes)
             else:                                                # the pools as rows of slots
-                to = (kc.view(-1, Hk, D), vc.view(-1, Hk, D), self.slots[layer])
+                to = (kc.view(-1, Hk, slot), vc.view(-1, Hk, slot), self.slots[layer])
             layers.append((to, (kc.data_ptr(), vc.data_ptr(),
                                 table + layer * self.rows * width * 8, width,
                                 self.lens.data_ptr(), self.rows, Hk, self.block_size,
@@ -360,6 +399,14 @@ class DecodeAttention:
         in the cache's dtype, or the same tokens as one row, (1, B, ...) (a packed step); out
         in q's shape."""
         to, args = self.layers[layer]
+        if self.write_c:                                       # int8: quantized into the slots
+            (_, Hk, D), rows = self.heads, self.rows
+            for x, pool in zip((k, v), to):
+                x32 = x.reshape(rows, Hk, D).float().contiguous()
+                self.write_c(x32.data_ptr(), pool, to[2], rows, Hk, D)
+            return self._kernel(q, args)
+        if self.write:                                         # e.g. quantized to int8 slots
+            k, v = self.write(k), self.write(v)
         if k.dtype != self.dtype or v.dtype != self.dtype:    # bytes are copied as they are
             wrong = k.dtype if k.dtype != self.dtype else v.dtype
             raise RequestError(f"the new keys and values must be {self.dtype}, the cache's "
@@ -372,6 +419,10 @@ class DecodeAttention:
         else:
             to[0].index_copy_(0, to[2], k.reshape(self.kv_shape))
             to[1].index_copy_(0, to[2], v.reshape(self.kv_shape))
+        return self._kernel(q, args)
+
+    def _kernel(self, q, args):
+        """Stage 3b's C kernel on this layer's blocks, the new k/v already in their slots."""
         q32 = q.reshape(self.shape).float().contiguous()
         out = torch.empty(self.shape)
         self.kernel(q32.data_ptr(), *args, out.data_ptr(), self.threads)
@@ -380,7 +431,7 @@ class DecodeAttention:
     def address(self) -> int | None:
         """Where this step's plan lies for operators.cpp's `attend` (`operators.install`), laid
         out once; None where no kernel serves it."""
-        if isinstance(self.kernel, str):
+        if isinstance(self.kernel, str) or (self.write and not self.write_c):
             return None
         if self._plan is None:
             Hq, Hk, D = self.heads
@@ -391,8 +442,9 @@ class DecodeAttention:
             plan = operators.DecodePlan(
                 ctypes.cast(self.kernel, ctypes.c_void_p).value, len(self.managers), self.rows,
                 Hq, Hk, D, self.block_size, self.tables.shape[2], self.nbytes,
-                self.dtype == torch.bfloat16, self.scale, self.lens.data_ptr(),
-                slots.data_ptr(), self.tables.data_ptr(), ctypes.addressof(pools))
+                self.new_dtype == torch.bfloat16, self.scale, self.lens.data_ptr(),
+                slots.data_ptr(), self.tables.data_ptr(), ctypes.addressof(pools),
+                ctypes.cast(self.write_c, ctypes.c_void_p).value if self.write_c else None)
             self._plan = plan, slots, pools                # what its pointers point into
         return ctypes.addressof(self._plan[0])
 

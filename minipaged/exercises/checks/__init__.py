@@ -7,7 +7,7 @@ so a run is quick and repeatable); a failing input is shrunk and shown. Token ch
 tiny random Llama 3 built in `common.py` (no file is read) and compare exact greedy tokens.
 """
 
-from . import (common, stage1, stage2, stage3, stage4, stage5, stage6,  # noqa: F401
+from . import (common, stage1, stage2, stage3, stage4, stage4b, stage5, stage6,  # noqa: F401
                stage7, stage9, stage9b)
 from .stage1 import (  # noqa: F401
     contiguous_cache_tokens, contiguous_attend_matches_dense)
@@ -18,6 +18,9 @@ from .stage3 import (  # noqa: F401
     paged_attention_matches_dense, paged_call_tokens, kernel_walk_matches_dense)
 from .stage4 import (  # noqa: F401
     split_allocated_counts_slot_by_slot, split_free_matches_the_definition)
+from .stage4b import (  # noqa: F401
+    quantize_matches_the_reference, dequantize_matches_the_reference,
+    int8_attention_reads_what_was_written)
 from .stage5 import (  # noqa: F401
     engine_is_fcfs_and_preempts_the_newest, chunked_engine_keeps_the_budget,
     admissible_is_the_largest_chunk_that_fits, chunks_fill_the_budget)
