@@ -366,6 +366,19 @@ def test_the_chat_and_the_server_take_kv_dtype(capsys):
     assert loop.engine.cache.managers[0].k_cache_paged.dtype == torch.int8
 
 
+def int8_pools(lens, table, k_old, v_old, bs, N):
+    """K and V pools (2, N, bs, Hk, D + 2) of int8 slots holding each row's old tokens, the keys
+    at sizes from 1e-2 to 1e2 by position."""
+    B, _, Hk, D = k_old.shape
+    pools = torch.zeros(2, N, bs, Hk, D + 2, dtype=torch.int8)
+    for b in range(B):
+        for p in range(int(lens[b])):
+            blk, off = int(table[b, p // bs]), p % bs
+            pools[0, blk, off] = quantize_int8(k_old[b, p] * 10 ** (p % 5 - 2))
+            pools[1, blk, off] = quantize_int8(v_old[b, p])
+    return pools
+
+
 @pytest.mark.parametrize("v_size", [1.0, 1e-4])      # 1e-4: every V scale a subnormal fp16
 def test_the_c_kernel_reads_int8_slots_as_the_pytorch_path_does(f32, v_size):
     """backend="cpu": stage 3b's C kernel reads each row's codes and float16 scale where they
@@ -374,13 +387,7 @@ def test_the_c_kernel_reads_int8_slots_as_the_pytorch_path_does(f32, v_size):
     tokens."""
     q, lens, table, k_old, v_old, k_new, v_new, bs, N = random_paged_call(2)
     k_new, v_new, q = k_new[:, :1], v_new[:, :1] * v_size, q[:, :1]
-    B, _, Hk, D = k_new.shape
-    pools = torch.zeros(2, N, bs, Hk, D + 2, dtype=torch.int8)
-    for b in range(B):
-        for p in range(int(lens[b])):
-            blk, off = int(table[b, p // bs]), p % bs
-            pools[0, blk, off] = quantize_int8(k_old[b, p] * 10 ** (p % 5 - 2))
-            pools[1, blk, off] = quantize_int8(v_old[b, p] * v_size)
+    pools = int8_pools(lens, table, k_old, v_old * v_size, bs, N)
     got, want = (flash_attn_with_int8_kvcache(q, *pools.clone(), k_new, v_new, lens, table,
                                               backend=backend) for backend in ("cpu", "torch"))
     assert torch.allclose(got, want, atol=1e-5 * v_size, rtol=1e-4)
@@ -507,13 +514,7 @@ def test_the_triton_kernel_reads_int8_slots_as_the_pytorch_path_does(f32, T, v_s
     the same tokens."""
     q, lens, table, k_old, v_old, k_new, v_new, bs, N = random_paged_call(3)
     k_new, v_new, q = k_new[:, :T], v_new[:, :T] * v_size, q[:, :T]
-    B, _, Hk, D = k_new.shape
-    pools = torch.zeros(2, N, bs, Hk, D + 2, dtype=torch.int8)
-    for b in range(B):
-        for p in range(int(lens[b])):
-            blk, off = int(table[b, p // bs]), p % bs
-            pools[0, blk, off] = quantize_int8(k_old[b, p] * 10 ** (p % 5 - 2))
-            pools[1, blk, off] = quantize_int8(v_old[b, p] * v_size)
+    pools = int8_pools(lens, table, k_old, v_old * v_size, bs, N)
     want = flash_attn_with_int8_kvcache(q, *pools.clone(), k_new, v_new, lens, table,
                                         backend="torch")
     if num_splits == 1:
