@@ -38,6 +38,22 @@ def marked_processes(mark: str) -> list[int]:
     return found
 
 
+def interrupt_mid_stream(p: subprocess.Popen, url: str, body: dict) -> None:
+    """Ctrl-C at the terminal (SIGINT to the server's whole session) once a streamed answer has
+    begun: the answer still ends with [DONE] and no error, and the server exits 0."""
+    lines = []
+    with httpx.stream("POST", url, json={**body, "max_tokens": 400, "temperature": 1.0,
+                                         "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if not lines:
+                os.killpg(p.pid, signal.SIGINT)
+            lines.append(line)
+    assert p.wait(30) == 0
+    lines = [x for x in lines if x]
+    assert len(lines) > 3                                       # it was answering
+    assert lines[-1] == "data: [DONE]" and not any('"error"' in x for x in lines), lines[-3:]
+
+
 def test_chat_on_two_ranks_answers_as_one_process_and_leaves_none_behind():
     mark = f"minipaged-test-{uuid.uuid4()}"
     one, two, zero, minus, three, demo, piped_one, piped_two = run_many("minipaged.chat", [
@@ -100,17 +116,7 @@ def test_server_on_two_ranks_answers_as_one_process_and_ctrl_c_stops_them_all():
                                     "n": 2}, timeout=60).json()
         got = [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
         assert got == [tok.decode(t) for t in samples] and got[0] != got[1], out
-        lines = []                   # Ctrl-C at the terminal (every rank gets SIGINT) mid-stream:
-        with httpx.stream("POST", url, json={**body, "max_tokens": 400, "temperature": 1.0,
-                                             "stream": True}, timeout=60) as r:
-            for line in r.iter_lines():
-                if not lines:
-                    os.killpg(p.pid, signal.SIGINT)
-                lines.append(line)
-        assert p.wait(30) == 0
-        lines = [x for x in lines if x]
-        assert lines[-1] == "data: [DONE]" and not any('"error"' in x for x in lines), lines[-3:]
-        assert len(lines) > 3                                   # it was answering
+        interrupt_mid_stream(p, url, body)   # every rank gets SIGINT: the answer still ends
     finally:
         p.kill()
         p.wait()
