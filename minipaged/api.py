@@ -24,7 +24,7 @@ from .errors import RequestError
 from .generation import generate_static, row_generator
 from .kv_budget import bytes_per_block
 from .sizing import pool_blocks
-from .disaggregated import Job, serve_disaggregated
+from .disaggregated_run import Job, serve_disaggregated
 from .speculative import SpeculativeEngine
 from .ranks import run_ranks
 from .tensor_parallel import check_world_size, load_shard, rank_state_dict

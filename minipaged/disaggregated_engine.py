@@ -22,7 +22,8 @@ import signal
 import torch
 
 from .disaggregated import (TIMEOUT, DecodeConnector, DisaggregationError, PrefillConnector,
-                            PrefillEngine, prefill_loop)
+                            PrefillEngine)
+from .disaggregated_run import prefill_loop
 from .errors import TensorParallelError
 from .ranks import start_followers
 from .speculative import SpeculativeEngine

@@ -16,10 +16,10 @@ import torch
 
 from conftest import tiny_model
 from minipaged import generate
-from minipaged.disaggregated import (LOAD_MARGIN, DisaggregationError, Faults, Job,
-                                     PrefillConnector, PrefillEngine, build_engine, leaked_blocks,
-                                     prefill_loop, prompts_inbox, remap, serve_disaggregated,
-                                     serve_in_one_process)
+from minipaged.disaggregated import (LOAD_MARGIN, DisaggregationError, Faults,
+                                     PrefillConnector, PrefillEngine, leaked_blocks, remap)
+from minipaged.disaggregated_run import (Job, build_engine, prefill_loop, prompts_inbox,
+                                         serve_disaggregated, serve_in_one_process)
 from minipaged.errors import RequestError
 
 

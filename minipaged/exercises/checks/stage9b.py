@@ -7,7 +7,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from ... import disaggregated
-from ...disaggregated import Job, serve_in_one_process
+from ...disaggregated_run import Job, serve_in_one_process
 from ...errors import RequestError
 from ..grader import expect
 from .common import no_cache_greedy, prop, tiny_model
