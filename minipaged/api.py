@@ -1,7 +1,7 @@
 """`minipaged.generate`, `minipaged.beam_search` and `minipaged.Engine`: one call above every stage.
 
 Not a stage itself: each stage runs on its own (`generation.generate_static` for stage 1,
-`paged_cache.generate_paged` for stage 3, the engines of stages 5 and 6). `generate` picks one
+`paged_generation.generate_paged` for stage 3, the engines of stages 5 and 6). `generate` picks one
 by its `cache` argument, so a reader can swap caches and compare tokens one for one:
 
     cache="contiguous"   stage 1: a static batch on the cache reserved up front

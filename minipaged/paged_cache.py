@@ -2,7 +2,7 @@
 interface (stated once, in `kv_cache.py`), attending with `flash_attn_with_kvcache`.
 
 A sequence holds blocks for the tokens it has, not for `max_seq_len`, and a finished one returns
-them at once; `generate_paged` is stage 1's static batch (`generate_static`) on this cache.
+them at once; `paged_generation.generate_paged` runs stage 1's static batch on this cache.
 """
 
 from __future__ import annotations
@@ -13,11 +13,9 @@ from .cache_manager import CacheManager
 from .cache_queries import PagedCacheQueries   # what later stages ask: not the idea
 from .cache_checks import check_pool, check_step_ids, check_step_room
 from .checks import check_count, check_sizes
-from .generation import generate_static
 from .kv_cache import kv_bytes_per_token
 from .kv_formats import KV_FORMATS, check_kv_dtype, stored_layout
 from .paged_attention import flash_attn_with_kvcache
-from .sizing import static_pool_blocks
 
 
 class PagedCache(PagedCacheQueries):
@@ -90,22 +88,3 @@ class PagedCache(PagedCacheQueries):
         """A finished sequence returns every block, in every layer, at once."""
         for m in self.managers:
             m.free(seq_id)
-
-
-@torch.inference_mode()
-def generate_paged(model, prompts, max_new_tokens, block_size: int = 16,
-                   num_blocks: int | None = None, kv_budget: int | None = None, seed: int = 0,
-                   backend: str = "auto", max_seq_len: int | None = None,
-                   cache_class=None, **options):
-    """Stage 1's static batch on a PagedCache (`cache_class`, e.g. the speed layer's) of
-    `num_blocks` blocks per layer, or as many as `kv_budget` bytes hold, or just enough for every
-    prompt at full length. Other options (temperature, stop_tokens, ...) are `generate_static`'s."""
-    max_seq_len = max_seq_len or model.args.max_seq_len
-    p = next(model.parameters())
-    blocks = static_pool_blocks(model, prompts, max_new_tokens, max_seq_len, block_size,
-                                num_blocks, kv_budget, options)
-    cache = (cache_class or PagedCache)(model.args, blocks, block_size, len(prompts),
-                                        max_seq_len, device=p.device, dtype=p.dtype, seed=seed,
-                                        backend=backend)
-    return generate_static(model, prompts, max_new_tokens, cache=cache, seed=seed,
-                           max_seq_len=max_seq_len, **options)

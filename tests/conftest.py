@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 from minipaged import Llama, ModelArgs, generate  # noqa: E402  (after the switch above)
 from minipaged.generation import generate_static  # noqa: E402
 from minipaged.kv_cache import ContiguousCache  # noqa: E402
-from minipaged.paged_cache import generate_paged  # noqa: E402
+from minipaged.paged_generation import generate_paged  # noqa: E402
 
 # The models here are tiny: a second thread gains nothing, and on a busy 2-core machine two
 # threads that wait for each other at every operation made these tests 20x slower.

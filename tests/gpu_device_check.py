@@ -148,7 +148,7 @@ def compare(name, got, want, note=""):
 def engines():
     from minipaged import Engine, beam_search, generate, load_model
     from minipaged.formats.loading import load_tokenizer
-    from minipaged.paged_cache import generate_paged
+    from minipaged.paged_generation import generate_paged
 
     tok = load_tokenizer()
     texts = ["Once upon a time", "The little dog ran to the", "She opened the box and",

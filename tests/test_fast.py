@@ -33,7 +33,8 @@ from minipaged.fast.matvec import MatVec
 from minipaged.fast import kernels
 from test_kernels_every_isa import native_isa
 from minipaged.kv_cache import ContiguousCache
-from minipaged.paged_cache import PagedCache, generate_paged
+from minipaged.paged_cache import PagedCache
+from minipaged.paged_generation import generate_paged
 
 PROMPTS = [[5, 9, 2, 77, 31], [100, 3], list(range(40, 70))]
 

@@ -16,7 +16,7 @@ from conftest import greedy_reference, tiny_model
 
 import minipaged
 from minipaged import backends
-from minipaged.paged_cache import generate_paged
+from minipaged.paged_generation import generate_paged
 
 PACKAGE = Path(minipaged.__file__).resolve().parent
 LATER = ["online_softmax", "triton_attention", "cpu_attention",                  # 3b

@@ -14,7 +14,8 @@ import torch
 from conftest import greedy_reference, tiny_model
 
 from minipaged import OutOfBlocksError, RequestError, generate
-from minipaged.paged_cache import PagedCache, generate_paged
+from minipaged.paged_cache import PagedCache
+from minipaged.paged_generation import generate_paged
 
 PAGED = ["static", "engine"]
 

@@ -13,7 +13,8 @@ from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 from minipaged import viz  # noqa: E402
 from minipaged.cache_manager import CacheManager  # noqa: E402
 from minipaged.generation import generate_static  # noqa: E402
-from minipaged.paged_cache import PagedCache, generate_paged  # noqa: E402
+from minipaged.paged_cache import PagedCache  # noqa: E402
+from minipaged.paged_generation import generate_paged  # noqa: E402
 
 BS = 4
 # seq -> tokens after one decode step

@@ -59,7 +59,7 @@ from ..api import generate
 from ..fast import FastContiguousCache, FastEngine, FastPagedCache, FusedLlama, compile_decode
 from ..formats import chat_format, load_model, load_tokenizer, packaged_model_path
 from ..formats.atomic import write_file
-from ..paged_cache import generate_paged
+from ..paged_generation import generate_paged
 from . import decode_step
 
 try:

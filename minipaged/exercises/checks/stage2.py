@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ...cache_manager import PAD_BLOCK, CacheManager, FreeBlockSet
 from ...errors import OutOfBlocksError, RequestError
-from ...paged_cache import generate_paged
+from ...paged_generation import generate_paged
 from ..grader import CheckFailed, expect
 from .common import contiguous_tokens, expect_same_tokens, prompts_of, prop, tiny_model
 from .stage6 import sampling_shares_blocks_and_keeps_tokens
