@@ -74,7 +74,8 @@ def test_the_panel_kernel_builds_for_this_cpus_vector_width():
     if not os.environ.get("MINIPAGED_MARCH"):
         assert matvec.built_isa == native_isa()
     report = kernels(torch.float32)
-    assert report["products"] == f"panels.c ({matvec.built_isa}), float32 weights"
+    assert report["products"] == f"panels.c ({matvec.built_isa}), float32 weights; past " \
+        f"{matvec.MOST_ROWS} rows, torch's product"
     assert report["attention"].startswith("cpu_attention.c (")
     assert set(report) == {"cpu", "built for", "products", "one row", "attention"}
 
@@ -132,15 +133,16 @@ def test_the_panel_product_is_a_product_at_every_number_of_rows(out_features, in
 @pytest.mark.parametrize("dtype, rounding", [(torch.bfloat16, 2 ** -8), (torch.float16, 2 ** -11)])
 def test_half_precision_panels_are_a_product_at_every_number_of_rows(dtype, rounding):
     """bf16 and fp16 panels (widened as they stream in, summed in fp32) against float64 over the
-    same half-precision weights, 1 to 40 rows and past MOST_ROWS (which bounds fp32 rows only),
-    through the Python function and the C++ operator alike; each entry within its dtype's
-    rounding of the exact sum. The panels are made even where MatVec would give bf16 to
-    oneDNN."""
+    same half-precision weights, 1 to 40 rows, around `most_rows` (bf16 on a CPU with bf16 dot
+    products: torch's product beyond it) and past MOST_ROWS (fp32's bound), through the Python
+    function and the C++ operator alike; each entry within its dtype's rounding of the exact
+    sum. The panels are made even where MatVec would give bf16 to oneDNN."""
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(160, 200, generator=gen).to(dtype)
     panels = w.reshape(5, 32, 200).transpose(1, 2).contiguous()
     operators.build()
-    for rows in [*range(1, 41), matvec.MOST_ROWS + 1]:
+    most = min(matvec.most_rows(dtype), 2 * matvec.MOST_ROWS)
+    for rows in [*range(1, 41), most, most + 1, matvec.MOST_ROWS + 1]:
         x = torch.randn(rows, 200, generator=gen).to(dtype)
         want = x.double() @ w.double().T
         scale = x.double().abs() @ w.double().abs().T

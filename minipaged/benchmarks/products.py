@@ -67,11 +67,11 @@ def products(dtype: torch.dtype):
     out = {}
     panels = [matvec.panel_weight(w) for w in ws]
     if all(p is not None for p in panels):
-        out["panels.c"] = lambda x, i: matvec.panel_linear(x, panels[i], ws[i].t())
+        out["panels.c"] = lambda x, i: matvec.panel_product(x, panels[i])
     elif dtype != torch.float32 and not isinstance(matvec.panel_kernel(), str):
         panels = [w.reshape(w.shape[0] // matvec.PANEL, matvec.PANEL, -1).transpose(1, 2)
                   .contiguous() for w in ws]            # measured even where oneDNN is chosen
-        out["panels.c"] = lambda x, i: matvec.panel_linear(x, panels[i], ws[i].t())
+        out["panels.c"] = lambda x, i: matvec.panel_product(x, panels[i])
     packed = [matvec.onednn_weight(w) for w in ws]
     if all(p is not None for p in packed):
         out["oneDNN"] = lambda x, i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None,

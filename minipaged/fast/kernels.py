@@ -54,7 +54,9 @@ def product_kernel(dtype: torch.dtype, rows: str = "several") -> str:
         return f"panels.c{isa} compiled; eager, torch's bmm over 4 slabs" \
             if panels is not None else "torch's bmm over 4 slabs"
     if panels is not None:
-        return f"panels.c{isa}, {str(dtype).removeprefix('torch.')} weights"
+        most = matvec.most_rows(dtype)
+        beyond = f"; past {most} rows, torch's product" if most < 2 ** 30 else ""
+        return f"panels.c{isa}, {str(dtype).removeprefix('torch.')} weights{beyond}"
     if matvec.onednn_weight(weight) is not None:
         return "oneDNN, packed " + str(dtype).removeprefix("torch.")
     reason = f" (panels.c: {built})" if isinstance(built, str) else ""

@@ -23,9 +23,11 @@ while the next panel is fetched at an even rate (`panel_weight`). The oneDNN
 kernel it replaced reads the same bytes but waits on memory between its multiplications.
 Measured on SmolLM2 (the products of one step, every layer's weights read once, 2 threads, the
 2-core Intel machine of the serving benchmark): 2, 4, 16 and 64 rows took 19.0, 19.3, 25.8 and
-49.0 ms against oneDNN's 26.3, 28.2, 38.0 and 76.7. It takes up to MOST_ROWS rows: with more,
-its passes over each panel read x again and again, and torch's plain product (MKL) is faster
-(the kernel took 303 ms at 384 rows against MKL's 317, level at 512, 673 at 768 against 597).
+49.0 ms against oneDNN's 26.3, 28.2, 38.0 and 76.7. It takes up to MOST_ROWS rows (a whole
+prompt chunk of the engines' default budget): on that Intel machine torch's plain product (MKL)
+was level with it at 512 rows and faster beyond (597 ms against 673 at 768), while on an AMD
+EPYC (Zen 5), where MKL runs its AVX2 code, the kernel's 121 products of 512 rows took 303 ms
+against MKL's 737 (and 674 against 713 built for AVX2).
 Compiled steps call it as `minipaged::panel_linear`, whose CPU kernel `compile_decode` has
 registered in C++ (operators.py, with the measurements) where a C++ compiler builds it, so
 that the hundreds of calls a step make no trip back into Python. Then the compiled step of one
@@ -36,8 +38,11 @@ function it gained nothing.
 Half precision goes to panels.c too, as bf16 or fp16 panels widened to fp32 as they stream in
 (half the bytes of fp32), unless the CPU has AMX, whose tiles multiply bf16 faster
 (`half_panels`, with the measurements; `python -m minipaged.benchmarks.products` times the
-kernels side by side). In bf16 on such a CPU, and in fp32 where the kernel cannot be built,
-several rows go to oneDNN's kernel, on a
+kernels side by side). On a CPU with AVX-512's bf16 dot products but no AMX, bf16 rows beyond
+`most_rows` go to torch's product, which multiplies bf16 pairs in one instruction: the 121
+products of 64 rows took 33.2 ms against the kernel's 42.8, of 512 rows 175 against 322 (AMD
+EPYC, Zen 5; level at 32 rows). In bf16 on a CPU with AMX, and in fp32 where the kernel cannot
+be built, several rows go to oneDNN's kernel, on a
 copy of the weight that oneDNN has packed ahead of time into the tiles its kernel reads
 (`onednn_weight`; `torch.compile` packs weights the same way under freezing), and to one plain
 product where neither serves (fp64, another device, a weight whose outputs are not a multiple
@@ -61,7 +66,8 @@ from ..cpu_attention import build_function, target_flags
 PANEL = 32                                   # outputs a panel (panels.c's NR)
 # the machine's vector width (or MINIPAGED_MARCH's) and OpenMP; without OpenMP, one thread
 FLAGS = [(["-O3", *target_flags(), "-fopenmp"], ["-fopenmp"]), (["-O3", *target_flags()], [])]
-MOST_ROWS = 384          # more fp32 rows than this (most of a prompt chunk): one plain product
+MOST_ROWS = 512          # more fp32 rows than this (a prompt chunk past 512): one plain product
+DOT_ROWS = 32            # more bf16 rows than this, where the CPU has bf16 dot products: torch's
 KERNELS = {torch.float32: "panel_linear", torch.bfloat16: "panel_linear_bf16",
            torch.float16: "panel_linear_f16"}         # panels.c's product for each weight dtype
 kernels = {}             # the built products, by weight dtype (panel_kernel fills it in)
@@ -155,6 +161,22 @@ def amx() -> bool:
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
+def most_rows(dtype: torch.dtype) -> int:
+    """The most rows of x that `panel_linear` gives panels.c for weights of `dtype`; more go to
+    torch's product: fp32 beyond MOST_ROWS; bf16 beyond DOT_ROWS where panels.c is built for
+    AVX-512 on a CPU with its bf16 dot products (`bf16_dot`); else no bound."""
+    if dtype == torch.float32:
+        return MOST_ROWS
+    return DOT_ROWS if dtype == torch.bfloat16 and bf16_dot() else 2 ** 30
+
+
+def bf16_dot() -> bool:
+    """Whether panels.c is built for AVX-512 on a CPU with AVX512_BF16's dot products (torch's
+    check), where oneDNN's bf16 product outruns the kernel's widened one at many rows."""
+    check = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    return built_isa == "avx512" and bool(check())
+
+
 def panel_weight(weight: torch.Tensor):
     """`weight` (out, in) as panels of 32 outputs, (out / 32, in, 32), in its own dtype, for
     `panel_linear`; or None where the kernel cannot serve it: not on a CPU, `out` not a
@@ -175,13 +197,18 @@ _lib.define("panel_linear(Tensor x, Tensor panels, Tensor weight_t) -> Tensor")
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     """x (M, in) @ W.T for W stored as `panels` (`panel_weight`) and as `weight_t`, W.T (in,
-    out): (M, out) in x's dtype, on torch's threads, through the kernel (half-precision rows
-    widened to fp32 first: it sums in fp32); fp32 rows beyond MOST_ROWS, where the kernel's
-    passes over each panel stop paying, through `x @ weight_t`. (Half precision goes to panels
-    only where the CPU has no bf16 instructions, and there torch's own half-precision product
-    was 2-4 times slower at 256-512 rows, AVX2.)"""
-    if x.shape[0] > MOST_ROWS and panels.dtype == torch.float32:
+    out): (M, out) in x's dtype, through the kernel (`panel_product`); rows beyond
+    `most_rows`, where torch's product is faster, through `x @ weight_t`. (Without bf16 dot
+    products torch's own half-precision product was 2-4 times slower at 256-512 rows, AVX2.)"""
+    panel_kernel()
+    if x.shape[0] > most_rows(panels.dtype):
         return x @ weight_t
+    return panel_product(x, panels)
+
+
+def panel_product(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """x (M, in) @ W.T through panels.c at any number of rows, on torch's threads: (M, out) in
+    x's dtype (half-precision rows widened to fp32 first: the kernel sums in fp32)."""
     rows = x.contiguous().float()
     M, K = rows.shape
     y = rows.new_empty(M, panels.shape[0] * PANEL)

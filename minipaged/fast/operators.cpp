@@ -4,8 +4,9 @@
 // into the interpreter. Where this file cannot be built, the Python functions serve them.
 //
 //   minipaged::panel_linear  matvec.py's `panel_linear`: panels.c's product (float32, bfloat16
-//                            or float16 panels), torch's for float32 beyond MOST_ROWS rows
-//                            (PANEL and MOST_ROWS come from matvec.py, -D)
+//                            or float16 panels), torch's beyond MOST_ROWS rows in float32 and
+//                            MOST_BF16_ROWS in bfloat16 (PANEL and both bounds come from
+//                            matvec.py, -D: `most_rows`)
 //   minipaged::attend        paged.py's `DecodeAttention.attend` while a decode step's plan is
 //                            installed (`minipaged_install_plan`, by compiled.py for the step):
 //                            each row's new k and v copied into its slot (int8 blocks: quantized
@@ -52,6 +53,8 @@ static at::Tensor half_product(const at::Tensor &x, const at::Tensor &panels, Ke
 
 static at::Tensor panel_linear_cpu(const at::Tensor &x, const at::Tensor &panels,
                                    const at::Tensor &weight_t) {
+    if (panels.scalar_type() == at::kBFloat16 && x.size(0) > MOST_BF16_ROWS)
+        return at::mm(x, weight_t);
     if (panels.scalar_type() == at::kBFloat16)
         return half_product<at::BFloat16>(x, panels, panel_linear_bf16);
     if (panels.scalar_type() == at::kHalf)

@@ -91,7 +91,9 @@ def build() -> str | None:
         steps = [[compiler(), *cflags, "-fPIC", "-c", str(SOURCE.with_name("panels.c")), "-o",
                   str(obj)],
                  [cxx, "-O2", "-std=c++20", "-fPIC", "-shared", str(SOURCE), str(obj), "-o",
-                  str(lib), f"-DPANEL={matvec.PANEL}", f"-DMOST_ROWS={matvec.MOST_ROWS}",
+                  str(lib), f"-DPANEL={matvec.PANEL}",
+                  f"-DMOST_ROWS={matvec.most_rows(torch.float32)}",
+                  f"-DMOST_BF16_ROWS={matvec.most_rows(torch.bfloat16)}",
                   f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                   *(f"-I{p}" for p in include_paths()), *(f"-L{p}" for p in library_paths()),
                   "-ltorch_cpu", "-lc10", *ldflags]]
