@@ -13,7 +13,12 @@
    CPU has one (both compilers contract it), and a scalar in an expression stands for that value
    in every lane. Half-precision weights become floats as they are loaded: bfloat16 is the top
    half of a float32, so a shift; float16 needs a conversion instruction (F16C on x86, NEON's
-   fcvtl on Arm), one line per ISA below, and on the plain path a few integer operations. */
+   fcvtl on Arm), one line per ISA below, and on the plain path a few integer operations.
+
+   Where the CPU multiplies bfloat16 pairs in one instruction (AVX512_BF16's vdpbf16ps: built
+   with -march=native on AMD Zen 4 and 5, Intel Cooper Lake and later), DOT_BF16 is defined and
+   panels.c's bf16 passes take k two at a time with `pair_rows`, `dot_bf16` and `unpair_store`:
+   one instruction adds the products of two k's into 16 sums, where widening adds one k's. */
 #ifndef MINIPAGED_SIMD_H
 #define MINIPAGED_SIMD_H
 #include <stdint.h>
@@ -97,6 +102,42 @@ static inline vfloat load_f16(const uint16_t *p) {
     return v;
 #endif
 }
+
+/* float32 to bfloat16, rounded to nearest even (exact for a float32 widened from bfloat16) */
+static inline uint16_t round_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + 0x7fff + (bits >> 16 & 1)) >> 16);
+}
+
+#if defined(__AVX512BF16__) && VL == 16
+#define DOT_BF16 1
+typedef __m512bh vpairs;                /* 16 pairs of bfloat16, a pair in each float's place */
+
+/* Two rows of 32 bfloat16 weights (a panel's rows k and k + 1) as 32 pairs (w[k][o], w[k+1][o]),
+   in two vectors: `lo` holds the pairs of outputs 0-3, 8-11, 16-19 and 24-27, `hi` the others
+   (the unpack instructions pair within each 128 bits). */
+static inline void pair_rows(const uint16_t *a, const uint16_t *b, vpairs *lo, vpairs *hi) {
+    const __m512i ra = _mm512_loadu_si512(a), rb = _mm512_loadu_si512(b);
+    *lo = (vpairs)_mm512_unpacklo_epi16(ra, rb);
+    *hi = (vpairs)_mm512_unpackhi_epi16(ra, rb);
+}
+
+/* sum + w's pairs times the pair x (x[k] in the low 16 bits, x[k+1] in the high), lane by lane */
+static inline vfloat dot_bf16(vfloat sum, vpairs w, uint32_t x) {
+    return (vfloat)_mm512_dpbf16_ps((__m512)sum, w, (vpairs)_mm512_set1_epi32((int)x));
+}
+
+/* The sums of `lo` and `hi` (pair_rows's order) as y[0..31], in order. */
+static inline void unpair_store(float *y, vfloat lo, vfloat hi) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7,
+                                            20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15,
+                                             28, 29, 30, 31);
+    _mm512_storeu_ps(y, _mm512_permutex2var_ps((__m512)lo, first, (__m512)hi));
+    _mm512_storeu_ps(y + 16, _mm512_permutex2var_ps((__m512)lo, second, (__m512)hi));
+}
+#endif
 
 static inline void cpu_pause(void) {                  /* a spin loop's breath */
 #if defined(__x86_64__) || defined(__i386__)

@@ -1,7 +1,8 @@
 /* The C kernels against plain loops, as one program: built for each vector width (native,
    AVX2, plain, and 64-bit Arm under qemu-user) by tests/test_kernels_every_isa.py, which reads
    its output. It checks panels.c's products (float32, bfloat16 and float16 weights; 1 to 30
-   rows, so every pass size and split; 1 and 2 threads) and cpu_attention.c's decode walk
+   rows, so every pass size and split, and bf16 pairs where the CPU multiplies them; 1 and 2
+   threads) and cpu_attention.c's decode walk
    (scattered blocks, rows of every length up to a few blocks, an empty row) against sums in
    double precision over the same values, and prints one line per check and the vector width it
    ran. Exit status 0 where everything agreed to float32 rounding.
@@ -29,6 +30,12 @@ static uint16_t to_bf16(float v) {            /* exact for weight()'s values */
     uint32_t bits;
     memcpy(&bits, &v, 4);
     return (uint16_t)(bits >> 16);
+}
+
+static float bf16_value(float v) {             /* v rounded to bfloat16 (simd.h), as a float */
+    uint32_t bits = (uint32_t)round_bf16(v) << 16;
+    memcpy(&v, &bits, 4);
+    return v;
 }
 
 static uint16_t to_f16(float v) {             /* exact for weight()'s values: normal or zero */
@@ -59,6 +66,8 @@ static void check_products(void) {
             uint16_t *panels16 = malloc(sizeof(uint16_t) * N * K);
             for (int i = 0; i < N * K; i++) w[i] = weight();
             for (int i = 0; i < M_MAX * K; i++) x[i] = (float)(next_int(2001) - 1000) / 1000.0f;
+            if (kind == 1)            /* bf16 weights take x in bf16 where DOT_BF16 (simd.h) */
+                for (int i = 0; i < M_MAX * K; i++) x[i] = bf16_value(x[i]);
             for (int p = 0; p < N / NR; p++)              /* (N / 32, K, 32) */
                 for (int k = 0; k < K; k++)
                     for (int o = 0; o < NR; o++) {
@@ -190,7 +199,8 @@ static void check_attention(void) {
 }
 
 int main(void) {
-    printf("vector width: %s (%d floats), rows a pass: %d\n", panel_isa(), VL, panel_rows_a_pass());
+    printf("vector width: %s (%d floats), rows a pass: %d, bf16 pairs: %s\n", panel_isa(), VL,
+           panel_rows_a_pass(), panel_bf16_dot() ? "yes" : "no");
     check_products();
     check_attention();
     return failures != 0;

@@ -56,7 +56,9 @@ def product_kernel(dtype: torch.dtype, rows: str = "several") -> str:
     if panels is not None:
         most = matvec.most_rows(dtype)
         beyond = f"; past {most} rows, torch's product" if most < 2 ** 30 else ""
-        return f"panels.c{isa}, {str(dtype).removeprefix('torch.')} weights{beyond}"
+        pairs = " (several rows: in bf16 pairs)" if dtype == torch.bfloat16 and \
+            matvec.bf16_dot() else ""
+        return f"panels.c{isa}, {str(dtype).removeprefix('torch.')} weights{pairs}{beyond}"
     if matvec.onednn_weight(weight) is not None:
         return "oneDNN, packed " + str(dtype).removeprefix("torch.")
     reason = f" (panels.c: {built})" if isinstance(built, str) else ""

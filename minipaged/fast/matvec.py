@@ -38,10 +38,11 @@ function it gained nothing.
 Half precision goes to panels.c too, as bf16 or fp16 panels widened to fp32 as they stream in
 (half the bytes of fp32), unless the CPU has AMX, whose tiles multiply bf16 faster
 (`half_panels`, with the measurements; `python -m minipaged.benchmarks.products` times the
-kernels side by side). On a CPU with AVX-512's bf16 dot products but no AMX, bf16 rows beyond
-`most_rows` go to torch's product, which multiplies bf16 pairs in one instruction: the 121
-products of 64 rows took 33.2 ms against the kernel's 42.8, of 512 rows 175 against 322 (AMD
-EPYC, Zen 5; level at 32 rows). In bf16 on a CPU with AMX, and in fp32 where the kernel cannot
+kernels side by side). On a CPU with AVX-512's bf16 dot products but no AMX, panels.c
+multiplies bf16 pairs (panels.c says how) and bf16 rows beyond `most_rows` go to torch's
+product (oneDNN's, which multiplies pairs too): SmolLM2's 121 products of 64 rows took 29.0 ms
+in the kernel against torch's 32.9, of 128 rows 55.8 against 51.0, of 512 rows 222 against
+173 (AMD EPYC, Zen 5). In bf16 on a CPU with AMX, and in fp32 where the kernel cannot
 be built, several rows go to oneDNN's kernel, on a
 copy of the weight that oneDNN has packed ahead of time into the tiles its kernel reads
 (`onednn_weight`; `torch.compile` packs weights the same way under freezing), and to one plain
@@ -67,31 +68,34 @@ PANEL = 32                                   # outputs a panel (panels.c's NR)
 # the machine's vector width (or MINIPAGED_MARCH's) and OpenMP; without OpenMP, one thread
 FLAGS = [(["-O3", *target_flags(), "-fopenmp"], ["-fopenmp"]), (["-O3", *target_flags()], [])]
 MOST_ROWS = 512          # more fp32 rows than this (a prompt chunk past 512): one plain product
-DOT_ROWS = 32            # more bf16 rows than this, where the CPU has bf16 dot products: torch's
+DOT_ROWS = 64            # more bf16 rows than this, where the CPU has bf16 dot products: torch's
 KERNELS = {torch.float32: "panel_linear", torch.bfloat16: "panel_linear_bf16",
            torch.float16: "panel_linear_f16"}         # panels.c's product for each weight dtype
 kernels = {}             # the built products, by weight dtype (panel_kernel fills it in)
 built_isa = None         # the vector width panels.c was built for (simd.h), once built
+dot_pairs = False        # and whether it multiplies bf16 pairs (simd.h's DOT_BF16)
 
 
 @functools.cache
 def panel_kernel():
     """panels.c's float32 `panel_linear`, or a sentence saying why it could not be built
-    (`FLAGS`). Built, `kernels` holds the product for each weight dtype and `built_isa` the
-    vector width it computes with."""
+    (`FLAGS`). Built, `kernels` holds the product for each weight dtype, `built_isa` the
+    vector width it computes with and `dot_pairs` whether its bf16 products multiply pairs."""
     global built_isa
+    global dot_pairs
     functions = build_function(Path(__file__).with_name("panels.c"),
-                               (*KERNELS.values(), "panel_isa", "panel_helper",
+                               (*KERNELS.values(), "panel_isa", "panel_bf16_dot", "panel_helper",
                                 "panel_helper_state", "panel_helper_stall"), flags=FLAGS)
     if isinstance(functions, str):
         return functions
-    *products, isa, start_stop, state, stall = functions
+    *products, isa, dot, start_stop, state, stall = functions
     P, I = ctypes.c_void_p, ctypes.c_int
     for dtype, kernel in zip(KERNELS, products):
         kernel.argtypes, kernel.restype = [P, P, P, I, I, I, I], None
         kernels[dtype] = kernel
     isa.restype = ctypes.c_char_p
     built_isa = isa().decode()
+    dot_pairs = bool(dot())
     add_helper("ctypes", start_stop, state, stall)
     return kernels[torch.float32]
 
@@ -164,17 +168,17 @@ def amx() -> bool:
 def most_rows(dtype: torch.dtype) -> int:
     """The most rows of x that `panel_linear` gives panels.c for weights of `dtype`; more go to
     torch's product: fp32 beyond MOST_ROWS; bf16 beyond DOT_ROWS where panels.c is built for
-    AVX-512 on a CPU with its bf16 dot products (`bf16_dot`); else no bound."""
+    a CPU with bf16 dot products (`bf16_dot`); else no bound."""
     if dtype == torch.float32:
         return MOST_ROWS
     return DOT_ROWS if dtype == torch.bfloat16 and bf16_dot() else 2 ** 30
 
 
 def bf16_dot() -> bool:
-    """Whether panels.c is built for AVX-512 on a CPU with AVX512_BF16's dot products (torch's
-    check), where oneDNN's bf16 product outruns the kernel's widened one at many rows."""
-    check = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    return built_isa == "avx512" and bool(check())
+    """Whether panels.c is built for a CPU with bf16 dot products (AVX512_BF16): its bf16
+    products of several rows multiply bf16 pairs, and so does oneDNN's bf16 product, which
+    outruns them beyond DOT_ROWS."""
+    return not isinstance(panel_kernel(), str) and dot_pairs
 
 
 def panel_weight(weight: torch.Tensor):
