@@ -681,6 +681,27 @@ def test_compiled_steps_called_with_gradients_on_run_the_graphs_compiled(dtype):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
+def test_two_compiled_models_each_run_their_own_graphs():
+    """The compiled steps keep no guards on their modules (compiled.py: `compiled_alone`), and
+    those guards were what told one model's graph from another's: two models of the same shape
+    and other weights, compiled one after the other and then called in turns, one row and a
+    batch, each give their own no-cache references."""
+    models = [tiny_model(seed=seed, dtype=torch.float32) for seed in (1, 2)]
+    fasts = [FusedLlama(m) for m in models]
+    for fast in fasts:
+        assert compile_decode(fast, batches=True) > 0
+    want = [[greedy_reference(m, p, 6) for p in PROMPTS] for m in models]
+    assert want[0] != want[1]                                 # the models differ
+    for _ in range(2):
+        for model, fast, tokens in zip(models, fasts, want):
+            assert generate(fast, PROMPTS, 6, cache="paged", stop_tokens=[], max_seq_len=64,
+                            block_size=4) == tokens                              # a batch
+            assert generate(fast, PROMPTS[:1], 6, cache="paged", stop_tokens=[],
+                            max_seq_len=64, block_size=4) == tokens[:1]          # one row
+    code = [fast.compiled.step._orig_mod.forward.__code__ for fast in fasts]
+    assert code[0] is not code[1]                              # graphs kept apart
+
+
 @pytest.mark.parametrize("budget", [None, 64])
 def test_batch_decode_steps_on_the_fast_engine_attend_through_one_plan_a_step(batches_pair,
                                                                              monkeypatch, budget):

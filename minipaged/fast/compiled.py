@@ -42,6 +42,14 @@ about 75 s against 50-60).
 Compiling takes tens of seconds a graph (`compile_decode` returns how many) and needs a C++
 compiler; if it fails, the model stays eager and a warning says why.
 
+Before each call of a compiled step, Dynamo checks the guards of its graphs: that each module
+has its type, each weight its identity, each norm its eps — about 3,000 on SmolLM2, 0.4 ms of
+an 8 ms bf16 decode step. Once compiled, a step's modules never change (freezing has made the
+weights constants of the graph), so those guards are dropped (`compiled_alone`); what told one
+model's graph from another's was those very guards, so each compiled step is given a copy of
+its `forward`'s code object, on which Dynamo keeps the graphs: no other model's call looks
+among them.
+
 A graph is compiled for torch's thread count: most of its loops are written for that many OpenMP
 threads (`#pragma omp parallel num_threads(N)`), and torch.compile guards every graph on the
 count (Dynamo's global-state guard), so a step run under another count compiles the graph
@@ -57,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import types
 
 import torch
 import torch._inductor.config as inductor_config
@@ -144,12 +153,24 @@ class DecodeStep(nn.Module):
                                  q, k, v, layer))
 
 
+def compiled_alone(module: nn.Module, dynamic: bool):
+    """`torch.compile(module, dynamic=dynamic)` with no guards on its modules, and its graphs its
+    own: `module.forward` becomes a copy of its class's, with a code object of its own, where
+    Dynamo keeps them (the module's docstring says why)."""
+    forward = type(module).forward
+    own = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
+                             forward.__defaults__, forward.__closure__)
+    module.forward = types.MethodType(own, module)
+    return torch.compile(module, dynamic=dynamic, options={
+        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+
 class CompiledDecode:
     """The compiled decode step of a FusedLlama: `(tokens (1, 1), positions (1, 1), cache) ->
     logits (1, 1, vocab)`."""
 
     def __init__(self, fast: FusedLlama):
-        self.step = torch.compile(DecodeStep(fast), dynamic=False)
+        self.step = compiled_alone(DecodeStep(fast), dynamic=False)
 
     @torch.inference_mode()
     def __call__(self, tokens, positions, cache):
@@ -186,7 +207,7 @@ class CompiledBatches:
 
     def __init__(self, fast: FusedLlama, options: dict):
         self.fast, self.options = fast, options
-        self.step = torch.compile(BatchStep(fast), dynamic=True)
+        self.step = compiled_alone(BatchStep(fast), dynamic=True)
 
     @torch.inference_mode()
     def __call__(self, tokens, positions, cache, last_only=False, logits_indices=None):
