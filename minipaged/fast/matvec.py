@@ -68,7 +68,7 @@ PANEL = 32                                   # outputs a panel (panels.c's NR)
 # the machine's vector width (or MINIPAGED_MARCH's) and OpenMP; without OpenMP, one thread
 FLAGS = [(["-O3", *target_flags(), "-fopenmp"], ["-fopenmp"]), (["-O3", *target_flags()], [])]
 MOST_ROWS = 512          # more fp32 rows than this (a prompt chunk past 512): one plain product
-DOT_ROWS = 64            # more bf16 rows than this, where the CPU has bf16 dot products: torch's
+DOT_ROWS = 64            # more bf16 rows than this, with bf16 dot products: torch's product
 KERNELS = {torch.float32: "panel_linear", torch.bfloat16: "panel_linear_bf16",
            torch.float16: "panel_linear_f16"}         # panels.c's product for each weight dtype
 kernels = {}             # the built products, by weight dtype (panel_kernel fills it in)

@@ -67,13 +67,6 @@ static int omp_get_num_threads(void) { return 1; }
 typedef float w_f32;            /* a weight as stored in the panels */
 typedef uint16_t w_bf16, w_f16;
 
-/* One pass, the j-th of P over the panel w: MR rows of x (M, K) into y (row stride N). `next`:
-   the next panel (0 for a thread's last one), whose lines the P passes ask for between them,
-   this pass `lines` of them from `line` on, with a prefetch at every k (two where lines > K: a
-   single pass over a float32 panel), each `step` lines further on (`at`, `step`: lines in 32.32
-   fixed point; a line may be asked for twice). With no next panel a pass asks for its own
-   panel's lines, already on their way. A prefetch of an address past the weights does not
-   fault. KIND: the weights' type, f32, bf16 or f16 (w_KIND, load_KIND). */
 /* One k's prefetch in a pass: the next line of the pass's share, two where `twice`. */
 static inline void ask(const char *line, uint64_t *at, uint64_t step, int twice) {
     __builtin_prefetch(line + ((*at >> 32) << 6), 0, 3);
@@ -84,6 +77,13 @@ static inline void ask(const char *line, uint64_t *at, uint64_t step, int twice)
     }
 }
 
+/* One pass, the j-th of P over the panel w: MR rows of x (M, K) into y (row stride N). `next`:
+   the next panel (0 for a thread's last one), whose lines the P passes ask for between them,
+   this pass `lines` of them from `line` on, with a prefetch at every k (two where lines > K: a
+   single pass over a float32 panel), each `step` lines further on (`at`, `step`: lines in 32.32
+   fixed point; a line may be asked for twice). With no next panel a pass asks for its own
+   panel's lines, already on their way. A prefetch of an address past the weights does not
+   fault. KIND: the weights' type, f32, bf16 or f16 (w_KIND, load_KIND). */
 #define PASS(MR, KIND)                                                                         \
 static void pass_##KIND##_##MR(const float *x, int K, const void *panel, float *y, int N,      \
                                const char *next, int j, int P) {                               \
