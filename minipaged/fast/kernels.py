@@ -55,7 +55,7 @@ def product_kernel(dtype: torch.dtype, rows: str = "several") -> str:
             if panels is not None else "torch's bmm over 4 slabs"
     if panels is not None:
         most = matvec.most_rows(dtype)
-        beyond = f"; past {most} rows, torch's product" if most < 2 ** 30 else ""
+        beyond = f"; past {most} rows, torch's product" if most < matvec.NO_BOUND else ""
         pairs = " (several rows: in bf16 pairs)" if dtype == torch.bfloat16 and \
             matvec.bf16_dot() else ""
         return f"panels.c{isa}, {str(dtype).removeprefix('torch.')} weights{pairs}{beyond}"

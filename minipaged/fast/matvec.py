@@ -69,6 +69,7 @@ PANEL = 32                                   # outputs a panel (panels.c's NR)
 FLAGS = [(["-O3", *target_flags(), "-fopenmp"], ["-fopenmp"]), (["-O3", *target_flags()], [])]
 MOST_ROWS = 512          # more fp32 rows than this (a prompt chunk past 512): one plain product
 DOT_ROWS = 64            # more bf16 rows than this, with bf16 dot products: torch's product
+NO_BOUND = 2 ** 30       # most_rows where panels.c takes every row count
 KERNELS = {torch.float32: "panel_linear", torch.bfloat16: "panel_linear_bf16",
            torch.float16: "panel_linear_f16"}         # panels.c's product for each weight dtype
 kernels = {}             # the built products, by weight dtype (panel_kernel fills it in)
@@ -168,10 +169,10 @@ def amx() -> bool:
 def most_rows(dtype: torch.dtype) -> int:
     """The most rows of x that `panel_linear` gives panels.c for weights of `dtype`; more go to
     torch's product: fp32 beyond MOST_ROWS; bf16 beyond DOT_ROWS where panels.c is built for
-    a CPU with bf16 dot products (`bf16_dot`); else no bound."""
+    a CPU with bf16 dot products (`bf16_dot`); else NO_BOUND."""
     if dtype == torch.float32:
         return MOST_ROWS
-    return DOT_ROWS if dtype == torch.bfloat16 and bf16_dot() else 2 ** 30
+    return DOT_ROWS if dtype == torch.bfloat16 and bf16_dot() else NO_BOUND
 
 
 def bf16_dot() -> bool:
