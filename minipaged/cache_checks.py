@@ -2,7 +2,8 @@
 `flash_attn_with_kvcache` make before anything changes — memory (`check_memory`: a pool larger
 than memory would be killed by the operating system's out-of-memory killer half-way through,
 with no message), pools and contiguous rows, the attention call's tensors
-(`check_attention_inputs`), a CacheManager's sequence ids and free blocks, a PagedCache's step.
+(`check_attention_inputs`), a CacheManager's sequence ids and free blocks, a PagedCache's
+arguments and step.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import numbers
 import numpy as np
 import torch
 
-from .checks import check_device, check_id, check_ids, check_sizes
+from .checks import check_count, check_device, check_id, check_ids, check_sizes
 from .errors import NotEnoughMemoryError, OutOfBlocksError, RequestError, UsageError
+from .kv_formats import check_kv_dtype
 
 
 # -- memory --------------------------------------------------------------------------------------
@@ -119,6 +121,14 @@ def check_rows(seq_ids, max_batch: int) -> list[int]:
     return ids
 
 
+def check_row_step(cache, seq_ids, num_new_tokens) -> tuple[list[int], int]:
+    """A contiguous cache's step: its rows (`check_rows`), the count of new tokens, and room for
+    them in every row (`check_row_room`), before anything changes."""
+    rows, n = check_rows(seq_ids, cache.max_batch), check_count(num_new_tokens)
+    check_row_room(int(cache.seq_lens[rows].max()) + n, cache.max_seq_len)
+    return rows, n
+
+
 def check_row_room(longest: int, max_seq_len: int) -> None:
     """OutOfBlocksError if a contiguous row would outgrow the `max_seq_len` slots it reserved."""
     if longest > max_seq_len:
@@ -196,15 +206,24 @@ def check_implemented(name, rotary_cos, rotary_sin, cache_leftpad, window_size, 
             f"kernel (CUDA, fp16/bf16, block size a multiple of 256)")
 
 
-def check_lengths(cache_seqlens, seqlens_k, capacity: int, width: int, block_size: int) -> None:
-    """UsageError unless every row's lengths are >= 0 and fit the slots its table addresses."""
+def check_lengths(cache_seqlens, seqlens_k, width: int, block_size: int) -> None:
+    """UsageError unless every row's lengths are >= 0 and fit the slots its table addresses
+    (`width` blocks of `block_size`)."""
     if int(cache_seqlens.min()) < 0:
         raise UsageError("cache_seqlens must be >= 0: it counts the tokens a row has stored")
-    L = max(seqlens_k.tolist())
+    L, capacity = max(seqlens_k.tolist()), width * block_size
     if L > capacity:
         raise UsageError(
             f"a row needs {L} slots but its block table addresses only {capacity} "
             f"({width} blocks of {block_size}); give it more blocks first")
+
+
+def check_table(table, owned, num_blocks: int, cache_seqlens, block_size: int,
+                writes: bool) -> None:
+    """`check_blocks`, and `check_writes` when the call `writes` new tokens."""
+    check_blocks(table, num_blocks)
+    if writes:
+        check_writes(table, owned, cache_seqlens, block_size)
 
 
 def check_blocks(table, num_blocks: int) -> None:
@@ -292,6 +311,18 @@ def check_room(cm, seqs, blocks_after, total: int, unavailable: int = 0) -> None
 
 
 # -- a PagedCache's step --------------------------------------------------------------------------
+
+def check_paged_cache(num_blocks, block_size, max_seq_len, kv_dtype, backend: str):
+    """A PagedCache's arguments: a `kv_dtype` that `backend` serves (returned), sizes positive."""
+    kv_dtype = check_kv_dtype(kv_dtype, backend)
+    check_sizes(num_blocks=num_blocks, block_size=block_size, max_seq_len=max_seq_len)
+    return kv_dtype
+
+
+def check_step(cache, seq_ids, num_new_tokens) -> tuple[list[int], int]:
+    """A step's sequence ids (`check_step_ids`) and its count of new tokens per sequence."""
+    return check_step_ids(cache, seq_ids), check_count(num_new_tokens)
+
 
 def check_step_ids(cache, seq_ids) -> list[int]:
     """Distinct sequence ids inside the cache's tables."""

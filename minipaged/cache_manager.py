@@ -5,8 +5,7 @@ sequence owns a block table: logical block j (tokens j*block_size ... (j+1)*bloc
 in physical block block_table[j], anywhere in the pool. Blocks come from a random free set when
 a sequence first needs them and all go back when it ends, so a sequence wastes at most the
 unfilled tail of its last block. The allocator handles integers only; the K/V pool beside it
-(`k_cache_paged`, `v_cache_paged`) is what stage 3's attention reads. Tables and lengths are
-int32 tensors written through numpy views of the same memory, as vLLM's BlockTable does.
+(`k_cache_paged`, `v_cache_paged`) is what stage 3's attention reads.
 """
 
 from __future__ import annotations

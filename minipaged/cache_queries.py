@@ -1,6 +1,7 @@
 """Support, not a stage (not needed on a first read): the questions the drawings, the statistics
 and the scheduler ask of a cache — who owns which block, how full each is, how many slots a
-sequence uses and reserves. The caches of stages 1-3 inherit them; none changes anything.
+sequence uses and reserves, what a paged step leaves for `attend` (`PagedCacheQueries.STEP`).
+The caches of stages 1-3 inherit them; none changes anything.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class ManagerQueries:
 
 class PagedCacheQueries:
     """For `paged_cache.PagedCache` (every layer holds the same tokens: layer 0 answers)."""
+
+    STEP = ("cache_seqlens", "positions", "block_tables")   # what `attend` reads, set by prepare
 
     def __contains__(self, seq_id) -> bool:
         return seq_id in self.managers[0]

@@ -26,11 +26,9 @@ def generate_static(model, prompts, max_new_tokens, cache=None, temperature: flo
     limits = check_request(model, prompts, max_new_tokens, temperature, top_p, max_seq_len)
     stop = set(model.args.stop_tokens if stop_tokens is None else stop_tokens)
     gens = [row_generator(seed, i) if temperature > 0 else None for i in range(len(prompts))]
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     if cache is None:
-        p = next(model.parameters())
-        cache = ContiguousCache(model.args, len(prompts), max_seq_len, device=p.device,
-                                dtype=p.dtype)
-    device = next(model.parameters()).device
+        cache = ContiguousCache(model.args, len(prompts), max_seq_len, device=device, dtype=dtype)
     out = [[] for _ in prompts]
     live = []                                       # sequences still generating
     next_token = {}

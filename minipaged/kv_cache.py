@@ -21,8 +21,7 @@ import torch
 
 from .backends import sdpa   # F.scaled_dot_product_attention (on a CPU, in float32)
 from .cache_queries import ContiguousQueries   # what drawings ask: not the idea
-from .cache_checks import check_contiguous, check_row_room, check_rows
-from .checks import check_count
+from .cache_checks import check_contiguous, check_row_step
 
 
 def kv_bytes_per_token(n_kv_heads: int, head_dim: int, dtype=torch.bfloat16,
@@ -81,15 +80,13 @@ class ContiguousCache(ContiguousQueries):
 
     def prepare(self, seq_ids, num_new_tokens: int) -> None:
         """Get ready for a forward over `seq_ids`, each adding `num_new_tokens` tokens."""
-        rows = torch.as_tensor(check_rows(seq_ids, self.max_batch), dtype=torch.long)  # (B,)
-        after = self.seq_lens[rows] + check_count(num_new_tokens)                    # (B,)
-        check_row_room(int(after.max()), self.max_seq_len)
-        self.rows = rows
-        self.cache_seqlens = self.seq_lens[rows].clone()
-        self.seq_lens[rows] = after
+        rows, n = check_row_step(self, seq_ids, num_new_tokens)   # rows in range, room for n more
+        self.rows = torch.as_tensor(rows, dtype=torch.long)                         # (B,)
+        self.cache_seqlens = self.seq_lens[self.rows].clone()
+        self.seq_lens[self.rows] += n
         device = self.k_cache[0].device
         self.positions = self.cache_seqlens.to(device)[:, None].long() + torch.arange(
-            num_new_tokens, device=device)                                    # (B, T)
+            n, device=device)                                                   # (B, T)
 
     def free(self, seq_id: int) -> None:
         """Forget a finished sequence. Its row stays reserved: that is this cache's flaw."""

@@ -52,3 +52,12 @@ def check_kv_dtype(kv_dtype, backend: str = "auto"):
 def stored_layout(head_dim: int, dtype, kv_dtype=None):
     """(last dimension, dtype) of a pool's slots: (head_dim, dtype) for kv_dtype None."""
     return (head_dim, dtype) if kv_dtype is None else KV_FORMATS[kv_dtype].layout(head_dim, dtype)
+
+
+def attend_in_format(cache, layer: int, q, k, v):
+    """A PagedCache's `attend` on blocks stored as its `kv_dtype`: the format writes the new k/v
+    into the layer's pool and attends over them (stage 4b's int8: quantize in, dequantize out)."""
+    m = cache.managers[layer]
+    return KV_FORMATS[cache.kv_dtype].attend(q, m.k_cache_paged, m.v_cache_paged, k, v,
+                                             cache.cache_seqlens, cache.block_tables[layer],
+                                             backend=cache.backend)

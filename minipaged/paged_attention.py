@@ -1,21 +1,18 @@
 """Stage 3: paged attention — attend over a KV cache scattered across fixed-size blocks.
 
-The pool `k_cache`/`v_cache` is (num_blocks, block_size, n_kv_heads, head_dim); row b's
+The pool `k_cache`/`v_cache` is (num_blocks, block_size, n_kv_heads, head_dim); row b's table
 `block_table[b]` lists its blocks in order: position `pos` lives in block
 `block_table[b, pos // block_size]` at offset `pos % block_size`. `flash_attn_with_kvcache` has
 flash-attn's signature and meaning; its readable PyTorch version (1) writes the new k/v through a
-slot mapping, (2) gathers each row's blocks into one contiguous tensor, (3) attends as the
-contiguous cache does. `@dispatch` (support, in `backends.py`) checks the call and hands it to
-flash-attn's CUDA kernel where that can serve it, or to a later stage's kernel asked for by name.
+slot mapping, (2) gathers each row's blocks into one tensor, (3) attends as the contiguous cache.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .backends import (BACKENDS, available_backends, dispatch,  # noqa: F401 (the call's API)
-                       flash_attn_available, register_backend)
-from .cache_checks import check_blocks, check_lengths, check_writes
+from .backends import BACKENDS, dispatch, register_backend
+from .cache_checks import check_lengths, check_table
 from .kv_cache import attention_over_cache
 
 
@@ -27,11 +24,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False,
                             *, backend: str = "auto"):
     """Write `k`/`v` (B, Sk, Hk, D) into the cache in place at `cache_seqlens`, then attend `q`
-    (B, Sq, Hq, D) over cache_seqlens[b] + Sk keys of row b: (B, Sq, Hq, D). The cache is paged,
-    (num_blocks, block_size, Hk, D) with `block_table` int32 (B, max_blocks), or flash-attn's
-    non-paged (B_cache, seqlen_cache, Hk, D) with `cache_batch_idx`. Past `dispatch`, the call
-    is paged, `cache_seqlens` a tensor, and `backend` the implementation that attends: "torch"
-    (below) or a later stage's."""
+    (B, Sq, Hq, D) over cache_seqlens[b] + Sk keys of row b: (B, Sq, Hq, D). `@dispatch`
+    (`backends.py`) checks the call and serves it with flash-attn's kernel where it can; past it,
+    the call is paged and `backend` is "torch" (below) or a later stage's kernel asked by name."""
     table, seqlens_k = owned_block_table(q, k_cache, k, cache_seqlens, block_table)
     write_new_kv(k_cache, v_cache, k, v, table, cache_seqlens)
     return BACKENDS[backend].attend(q, k_cache, v_cache, table, seqlens_k, causal, softmax_scale,
@@ -44,17 +39,14 @@ def owned_block_table(q, k_cache, k, cache_seqlens, block_table):
     past seqlens_k[b], the keys row b has once the new tokens are in."""
     device, (num_blocks, block_size) = q.device, k_cache.shape[:2]
     block_table = block_table.to(device)
-    capacity = block_table.shape[1] * block_size          # slots a row's table can address
     n_new = 0 if k is None else k.shape[1]
     seqlens_k = cache_seqlens.long() + n_new                                  # (B,) keys per row
-    check_lengths(cache_seqlens, seqlens_k, capacity, block_table.shape[1], block_size)
+    check_lengths(cache_seqlens, seqlens_k, block_table.shape[1], block_size)
     L = max(seqlens_k.tolist())                           # the longest row: all we gather
     n = -(-L // block_size)                                                   # ceil(L / bs)
     owned = torch.arange(n, device=device) * block_size < seqlens_k[:, None]  # (B, n)
     table = torch.where(owned, block_table[:, :n].long(), 0)                  # (B, n)
-    check_blocks(table, num_blocks)
-    if n_new:
-        check_writes(table, owned, cache_seqlens, block_size)   # no block written is shared
+    check_table(table, owned, num_blocks, cache_seqlens, block_size, writes=n_new > 0)
     return table, seqlens_k
 
 
@@ -74,11 +66,10 @@ def write_new_kv(k_cache, v_cache, k, v, table, cache_seqlens) -> None:
 
 
 def _gather_and_attend(q, k_cache, v_cache, table, seqlens_k, causal, softmax_scale, num_splits):
-    """The "torch" backend: gather each row's blocks, then attend (`num_splits` is a kernel's
-    knob; it means nothing here)."""
+    """The "torch" backend: gather each row's blocks, then attend with the contiguous cache's
+    attention (`num_splits` is a kernel's knob; it means nothing here)."""
     L = max(seqlens_k.tolist())                           # the longest row: all we gather
     k_ctx, v_ctx = _gather(k_cache, table, L), _gather(v_cache, table, L)    # (B, L, Hk, D)
-    # the same attention as the contiguous cache
     return attention_over_cache(q, k_ctx, v_ctx, seqlens_k, causal=causal,
                                 softmax_scale=softmax_scale)
 

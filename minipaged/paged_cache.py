@@ -1,8 +1,7 @@
 """Stage 3: the paged KV cache the model runs on — stage 2's CacheManagers behind stage 1's cache
-interface (stated once, in `kv_cache.py`), attending with `flash_attn_with_kvcache`.
-
-A sequence holds blocks for the tokens it has, not for `max_seq_len`, and a finished one returns
-them at once; `paged_generation.generate_paged` runs stage 1's static batch on this cache.
+interface (stated once, in `kv_cache.py`), attending with `flash_attn_with_kvcache`. A sequence
+holds blocks for the tokens it has, not for `max_seq_len`, and a finished one returns them at
+once; `paged_generation.generate_paged` runs stage 1's static batch on this cache.
 """
 
 from __future__ import annotations
@@ -11,27 +10,22 @@ import torch
 
 from .cache_manager import CacheManager
 from .cache_queries import PagedCacheQueries   # what later stages ask: not the idea
-from .cache_checks import check_pool, check_step_ids, check_step_room
-from .checks import check_count, check_sizes
+from .cache_checks import check_paged_cache, check_pool, check_step, check_step_room
 from .kv_cache import kv_bytes_per_token
-from .kv_formats import KV_FORMATS, check_kv_dtype, stored_layout
+from .kv_formats import attend_in_format, stored_layout
 from .paged_attention import flash_attn_with_kvcache
 
 
 class PagedCache(PagedCacheQueries):
     """One CacheManager per layer, driven in step: every layer holds the same tokens, in blocks
-    of its own pool drawn from its own random free set (layer i with seed `seed + i`). A
-    `kv_dtype` other than None (stage 4b's "int8") stores the blocks in that format."""
-
-    STEP = ("cache_seqlens", "positions", "block_tables")   # what `attend` reads, set by prepare
+    of its own pool drawn from its own random free set (layer i with seed `seed + i`)."""
 
     def __init__(self, args, num_blocks: int, block_size: int, max_seqs: int, max_seq_len: int,
                  device="cpu", dtype=torch.float32, seed: int = 0, backend: str = "auto",
                  kv_dtype: str | None = None):
         self.args, self.dtype, self.backend = args, dtype, backend
-        self.kv_dtype = check_kv_dtype(kv_dtype, backend)
+        self.kv_dtype = check_paged_cache(num_blocks, block_size, max_seq_len, kv_dtype, backend)
         self.num_blocks, self.block_size, self.max_seq_len = num_blocks, block_size, max_seq_len
-        check_sizes(num_blocks=num_blocks, block_size=block_size, max_seq_len=max_seq_len)
         max_blocks = min(num_blocks, -(-max_seq_len // block_size))   # no table outgrows the pool
         slot, store = stored_layout(args.head_dim, dtype, kv_dtype)   # what a slot stores
         check_pool(num_blocks, block_size, args.n_kv_heads, slot, max_seqs, max_blocks,
@@ -49,8 +43,8 @@ class PagedCache(PagedCacheQueries):
 
     def prepare(self, seq_ids, num_new_tokens: int) -> None:
         """New sequences reserve blocks, known ones grow: in every layer, or in none (an error)."""
-        seq_ids, n, first = check_step_ids(self, seq_ids), check_count(num_new_tokens), \
-            self.managers[0]
+        seq_ids, n = check_step(self, seq_ids, num_new_tokens)
+        first = self.managers[0]
         new = [s for s in seq_ids if s not in first]
         old = [s for s in seq_ids if s in first]
         # Every layer holds the same tokens, so every layer needs the same number of blocks:
@@ -74,11 +68,9 @@ class PagedCache(PagedCacheQueries):
 
     def attend(self, layer: int, q, k, v):
         """Store the step's k/v (B, T, Hk, D) in the layer's blocks, attend q (B, T, Hq, D)."""
+        if self.kv_dtype is not None:        # e.g. stage 4b's int8 blocks (`kv_formats.py`)
+            return attend_in_format(self, layer, q, k, v)
         m = self.managers[layer]
-        if self.kv_dtype is not None:        # e.g. stage 4b's int8: quantize in, dequantize out
-            return KV_FORMATS[self.kv_dtype].attend(q, m.k_cache_paged, m.v_cache_paged, k, v,
-                                                    self.cache_seqlens, self.block_tables[layer],
-                                                    backend=self.backend)
         return flash_attn_with_kvcache(q, m.k_cache_paged, m.v_cache_paged, k, v,
                                        cache_seqlens=self.cache_seqlens,
                                        block_table=self.block_tables[layer], causal=True,

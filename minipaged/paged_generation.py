@@ -1,8 +1,5 @@
 """Stage 3: stage 1's static batch on the paged cache — `generate_paged`, the driver, kept beside
-`paged_cache.py` so that the cache itself reads on its own.
-
-    generate_paged(model, prompts, 40, block_size=16)     # tokens, as generate_static's
-"""
+`paged_cache.py` so that the cache itself reads on its own."""
 
 from __future__ import annotations
 

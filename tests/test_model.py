@@ -13,7 +13,7 @@ import torch
 from conftest import greedy_reference, tiny_model
 from meta_reference import meta_transformer
 
-from minipaged import generate, load_model, save_model
+from minipaged import OutOfBlocksError, RequestError, generate, load_model, save_model
 from minipaged.kv_cache import ContiguousCache
 from minipaged.model import rope_frequencies
 
@@ -154,3 +154,23 @@ def test_a_decode_step_attends_each_row_over_its_own_slots_only(dtype):
             expected = weights @ values[:, g]
             tolerance = 1e-5 if dtype == torch.float32 else 1e-2
             torch.testing.assert_close(out[b, 0, h].double(), expected, atol=tolerance, rtol=0)
+
+
+def test_the_contiguous_cache_refuses_a_bad_step_before_changing_anything():
+    """Rows outside the batch, a count that is not a token count, or a row that would outgrow
+    its max_seq_len slots raise one clear error, and the lengths and the step stay as they were."""
+    cache = ContiguousCache(tiny_model().args, max_batch=3, max_seq_len=8)
+    cache.prepare([0, 2], 5)
+    before = (cache.seq_lens.clone(), cache.rows.clone(), cache.positions.clone())
+    for seq_ids, n, error, words in [([3], 1, RequestError, "must lie in"),
+                                     ([], 1, RequestError, "must lie in"),
+                                     ([-1], 1, RequestError, "must lie in"),
+                                     ([0], -1, RequestError, "token count"),
+                                     ([1], 1.5, RequestError, "token count"),
+                                     ([1, 2], 4, OutOfBlocksError, "reach 9 tokens")]:
+        with pytest.raises(error, match=words):
+            cache.prepare(seq_ids, n)
+        after = (cache.seq_lens, cache.rows, cache.positions)
+        assert all(torch.equal(x, y) for x, y in zip(before, after)), (seq_ids, n)
+    cache.prepare([1, 2], 3)                                    # row 2 fills its 8 slots exactly
+    assert cache.seq_lens.tolist() == [5, 3, 8] and cache.positions.tolist()[1] == [5, 6, 7]

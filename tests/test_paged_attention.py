@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from minipaged import UsageError, backends, cpu_attention
-from minipaged import paged_attention as pa
 from minipaged.fast import paged as paged_module
 from minipaged.fast.paged import QUERIES_AS_ROWS, PagedStep, attend_step, fast_backend, plan_step
 from minipaged.paged_attention import flash_attn_with_kvcache
@@ -336,7 +335,7 @@ def test_auto_on_a_cpu_is_stage_3s_pytorch_path_and_the_c_kernel_only_when_asked
     flash_attn_with_kvcache(**{**case, "k": None, "v": None}, backend="cpu")
     assert backends.last_backend == "cpu"
     if not torch.cuda.is_available():
-        assert not pa.flash_attn_available()
+        assert not backends.flash_attn_available()
     with pytest.raises(ValueError, match="not on a CUDA GPU|not installed"):
         flash_attn_with_kvcache(**case, backend="flash_attn")
 
