@@ -813,6 +813,37 @@ def test_the_gap_to_llama_cpp_is_split_by_cause():
     assert line == ("fast (paged) step 20.30 ms against llama.cpp's 20.00 ms a token: attention "
                     "4.00 (write+gather 1.50, the math 2.50), bookkeeping 0.30, and the rest "
                     "16.00, -4.00 ms from llama.cpp's whole token")
+    compiled = {**A_STEP, "prepare": 300.0, "write+gather": 0.0, "attention": 0.0,
+                "rest": 20000.0, "products": 18500.0}        # a compiled step's timers
+    first, second = smollm2.behind_llama_cpp(compiled, {"llama.cpp": 50.0})
+    assert first.startswith("fast (paged) step 20.30 ms against llama.cpp's 20.00 ms")
+    assert second == ("fast (paged) step 20.30 ms: its products alone 18.50 ms (-1.50 ms from "
+                      "llama.cpp's whole token), everything else 1.80 ms")
+
+
+def test_the_products_alone_are_the_fused_models_own():
+    """`products_seconds`: none for stage 1's model; for a FusedLlama, a time, and every one of
+    its MatVecs called once (SmolLM2's step: 121)."""
+    from minipaged.benchmarks import smollm2
+    from minipaged.fast import matvec
+
+    model = tiny_model(dtype=torch.float32)
+    assert smollm2.products_seconds(model) is None
+    fast = FusedLlama(model)
+    called = []
+    real = matvec.MatVec._panel_product
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(matvec.MatVec, "_panel_product",
+                  lambda self, rows: called.append(self) or real(self, rows))
+        seconds = smollm2.products_seconds(fast)
+    assert seconds > 0
+    mats = [x for x in fast.modules() if isinstance(x, matvec.MatVec)]
+    assert len(mats) == 4 * model.args.n_layers + 1
+    assert called == [x for x in mats if x.panels is not None]
+    _, parts = smollm2.paged_over_contiguous(fast, PROMPTS[2], 6, rounds=1)
+    assert all(split["products"] > 0 for split in parts.values())
+    _, parts = smollm2.paged_over_contiguous(model, PROMPTS[2], 6, rounds=1)
+    assert not any("products" in split for split in parts.values())
 
 
 def test_the_plot_draws_each_part_of_a_step_at_its_length(tmp_path):

@@ -57,6 +57,7 @@ from rich.table import Table
 from .. import backends, cli
 from ..api import generate
 from ..fast import FastContiguousCache, FastEngine, FastPagedCache, FusedLlama, compile_decode
+from ..fast.matvec import MatVec
 from ..formats import chat_format, load_model, load_tokenizer, packaged_model_path
 from ..formats.atomic import write_file
 from ..paged_generation import generate_paged
@@ -154,10 +155,14 @@ def paged_over_contiguous(model, prompt, n, rounds: int = STEP_ROUNDS):
     faster), and each cache's steps split into their parts, the median µs of each
     (`decode_step.Timer.parts`): the bookkeeping (`prepare`), the layers' writes and gathers,
     the attention math, and the rest of the forward. The timers add the same few µs a layer to
-    both caches."""
+    both caches. A compiled step's timers see only its bookkeeping: for `minipaged.fast`'s
+    model, each split also holds "products", the median µs of the step's products alone
+    (`products_seconds`), timed after every step, so that the rest reads as products and all
+    else."""
     p = next(model.parameters())
     total = len(prompt) + n
     timers = {"contiguous": decode_step.Timer(), "paged": decode_step.Timer()}
+    products = []
     for _ in range(rounds):
         caches = {"contiguous": FastContiguousCache(model.args, 1, total, device=p.device,
                                                     dtype=p.dtype),
@@ -174,9 +179,30 @@ def paged_over_contiguous(model, prompt, n, rounds: int = STEP_ROUNDS):
             for name in caches if step % 2 else reversed(caches):    # both decode that token
                 logits[name] = decode_step.step(model, caches[name], [0], token,
                                                 timers[name])[0, -1]
+            products.append(products_seconds(model))
     ratio = statistics.median(c["step"] / q["step"] for c, q in
                               zip(timers["contiguous"].steps, timers["paged"].steps))
-    return ratio, {name: t.parts(statistics.median) for name, t in timers.items()}
+    parts = {name: t.parts(statistics.median) for name, t in timers.items()}
+    if None not in products:
+        for split in parts.values():
+            split["products"] = statistics.median(products) * 1e6
+    return ratio, parts
+
+
+def products_seconds(model) -> float | None:
+    """Seconds a batch-1 step's products take alone: every `MatVec` of a `FusedLlama`
+    (SmolLM2: 121) on one row, back to back, through the kernel its compiled step calls
+    (`minipaged::panel_linear`, where the panels exist), each call's dispatch included; None
+    for a model without them."""
+    mats = [m for m in model.modules() if isinstance(m, MatVec)]
+    if not mats:
+        return None
+    rows = [torch.ones(1, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
+            for m in mats]
+    start = time.perf_counter()
+    for m, x in zip(mats, rows):
+        m._panel_product(x) if m.panels is not None else m(x)
+    return time.perf_counter() - start
 
 
 # -- transformers ---------------------------------------------------------------------------------
@@ -450,7 +476,11 @@ def behind_llama_cpp(split, rates) -> list[str]:
             f"{ms['write+gather']:.2f}, the math {ms['attention']:.2f}), bookkeeping "
             f"{ms['prepare']:.2f}, and the rest {ms['rest']:.2f}, "
             f"{ms['rest'] - peer:+.2f} ms from llama.cpp's whole token")
-    return [line]
+    if "products" not in ms:
+        return [line]
+    return [line, f"fast (paged) step {ms['total']:.2f} ms: its products alone "
+                  f"{ms['products']:.2f} ms ({ms['products'] - peer:+.2f} ms from llama.cpp's "
+                  f"whole token), everything else {ms['total'] - ms['products']:.2f} ms"]
 
 
 def serve_table(rates, dtype_name, k, n, repeats):
