@@ -815,10 +815,13 @@ def test_the_gap_to_llama_cpp_is_split_by_cause():
                     "16.00, -4.00 ms from llama.cpp's whole token")
     compiled = {**A_STEP, "prepare": 300.0, "write+gather": 0.0, "attention": 0.0,
                 "rest": 20000.0, "products": 18500.0}        # a compiled step's timers
-    first, second = smollm2.behind_llama_cpp(compiled, {"llama.cpp": 50.0})
+    assert len(smollm2.behind_llama_cpp(compiled, {"llama.cpp": 50.0})) == 1   # no peer token
+    first, second = smollm2.behind_llama_cpp({**compiled, "peer token": 19000.0},
+                                             {"llama.cpp": 50.0})
     assert first.startswith("fast (paged) step 20.30 ms against llama.cpp's 20.00 ms")
-    assert second == ("fast (paged) step 20.30 ms: its products alone 18.50 ms (-1.50 ms from "
-                      "llama.cpp's whole token), everything else 1.80 ms")
+    assert second == ("in the same seconds (medians, a llama.cpp token after every step): fast "
+                      "(paged) step 20.30 ms, llama.cpp's token 19.00 ms; the step's products "
+                      "alone 18.50 ms (-0.50 ms from llama.cpp's token), everything else 1.80 ms")
 
 
 def test_the_products_alone_are_the_fused_models_own():
@@ -840,8 +843,19 @@ def test_the_products_alone_are_the_fused_models_own():
     mats = [x for x in fast.modules() if isinstance(x, matvec.MatVec)]
     assert len(mats) == 4 * model.args.n_layers + 1
     assert called == [x for x in mats if x.panels is not None]
-    _, parts = smollm2.paged_over_contiguous(fast, PROMPTS[2], 6, rounds=1)
-    assert all(split["products"] > 0 for split in parts.values())
+    asked = []
+
+    class Peer:                  # LlamaCpp's llm: its generator, a token at every next()
+        class llm:
+            @staticmethod
+            def generate(prompt, **options):
+                while True:
+                    asked.append(prompt)
+                    yield 0
+
+    _, parts = smollm2.paged_over_contiguous(fast, PROMPTS[2], 6, rounds=1, peer=Peer)
+    assert all(split["products"] > 0 and split["peer token"] > 0 for split in parts.values())
+    assert asked == [PROMPTS[2]] * 6           # the prompt, then one token after each step
     _, parts = smollm2.paged_over_contiguous(model, PROMPTS[2], 6, rounds=1)
     assert not any("products" in split for split in parts.values())
 

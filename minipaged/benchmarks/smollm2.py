@@ -145,7 +145,7 @@ def check_same_choice(logits, dtype, step):
 
 
 @torch.inference_mode()
-def paged_over_contiguous(model, prompt, n, rounds: int = STEP_ROUNDS):
+def paged_over_contiguous(model, prompt, n, rounds: int = STEP_ROUNDS, peer=None):
     """The paged cache's speed over the contiguous one's at batch 1, step by step: both decode
     the same prompt side by side, each step the same token (the contiguous cache's greedy
     choice, which the paged cache must share: `check_same_choice`), their steps alternating
@@ -158,11 +158,13 @@ def paged_over_contiguous(model, prompt, n, rounds: int = STEP_ROUNDS):
     both caches. A compiled step's timers see only its bookkeeping: for `minipaged.fast`'s
     model, each split also holds "products", the median µs of the step's products alone
     (`products_seconds`), timed after every step, so that the rest reads as products and all
-    else."""
+    else; and with `peer` (a `LlamaCpp`), "peer token", the median µs of llama.cpp's own
+    decode tokens of the same prompt, one after every step, so that the three are timed in the
+    same seconds (this machine's read speed moves by a third between minutes)."""
     p = next(model.parameters())
     total = len(prompt) + n
     timers = {"contiguous": decode_step.Timer(), "paged": decode_step.Timer()}
-    products = []
+    products, peer_tokens = [], []
     for _ in range(rounds):
         caches = {"contiguous": FastContiguousCache(model.args, 1, total, device=p.device,
                                                     dtype=p.dtype),
@@ -173,6 +175,9 @@ def paged_over_contiguous(model, prompt, n, rounds: int = STEP_ROUNDS):
             cache.prepare([0], len(prompt))
             logits[name] = model(torch.tensor([prompt], device=p.device), cache=cache,
                                  last_only=True)[0, -1]
+        theirs = peer.llm.generate(prompt, temp=0.0, top_k=1, reset=True) if peer else None
+        if theirs:
+            next(theirs)                                         # its prompt: not counted
         for step in range(n - 1):
             check_same_choice(logits, p.dtype, step)
             token = torch.tensor([[int(logits["contiguous"].argmax())]], device=p.device)
@@ -180,12 +185,18 @@ def paged_over_contiguous(model, prompt, n, rounds: int = STEP_ROUNDS):
                 logits[name] = decode_step.step(model, caches[name], [0], token,
                                                 timers[name])[0, -1]
             products.append(products_seconds(model))
+            if theirs:
+                start = time.perf_counter()
+                next(theirs)
+                peer_tokens.append(time.perf_counter() - start)
     ratio = statistics.median(c["step"] / q["step"] for c, q in
                               zip(timers["contiguous"].steps, timers["paged"].steps))
     parts = {name: t.parts(statistics.median) for name, t in timers.items()}
-    if None not in products:
-        for split in parts.values():
+    for split in parts.values():
+        if None not in products:
             split["products"] = statistics.median(products) * 1e6
+        if peer_tokens:
+            split["peer token"] = statistics.median(peer_tokens) * 1e6
     return ratio, parts
 
 
@@ -408,7 +419,7 @@ def main(argv=None):
             runs["llama.cpp, one after another"] = lambda: peer.serve_one_by_one(prompts, n)
         console.print(f"paged against contiguous, step by step, {dtype_name} ...")
         steps = {"minipaged Llama": paged_over_contiguous(model, one, n),
-                 "minipaged.fast": paged_over_contiguous(fast, one, n)}
+                 "minipaged.fast": paged_over_contiguous(fast, one, n, peer=peer)}
         stepwise[dtype_name] = {name: ratio for name, (ratio, _) in steps.items()}
         parts = step_parts[dtype_name] = {name: split for name, (_, split) in steps.items()}
         console.print(f"{len(prompts)} requests, {dtype_name} ...")
@@ -476,11 +487,14 @@ def behind_llama_cpp(split, rates) -> list[str]:
             f"{ms['write+gather']:.2f}, the math {ms['attention']:.2f}), bookkeeping "
             f"{ms['prepare']:.2f}, and the rest {ms['rest']:.2f}, "
             f"{ms['rest'] - peer:+.2f} ms from llama.cpp's whole token")
-    if "products" not in ms:
+    if "products" not in ms or "peer token" not in ms:
         return [line]
-    return [line, f"fast (paged) step {ms['total']:.2f} ms: its products alone "
-                  f"{ms['products']:.2f} ms ({ms['products'] - peer:+.2f} ms from llama.cpp's "
-                  f"whole token), everything else {ms['total'] - ms['products']:.2f} ms"]
+    peer = ms["peer token"]
+    return [line, f"in the same seconds (medians, a llama.cpp token after every step): fast "
+                  f"(paged) step {ms['total']:.2f} ms, llama.cpp's token {peer:.2f} ms; the "
+                  f"step's products alone {ms['products']:.2f} ms ({ms['products'] - peer:+.2f} "
+                  f"ms from llama.cpp's token), everything else {ms['total'] - ms['products']:.2f}"
+                  f" ms"]
 
 
 def serve_table(rates, dtype_name, k, n, repeats):
