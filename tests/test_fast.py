@@ -780,15 +780,18 @@ def test_the_step_by_step_comparison_runs_both_caches_to_the_same_tokens(monkeyp
 
 def test_a_near_tie_in_bf16_is_no_disagreement():
     """The step comparison's guard: a different greedy token is refused in float32 and wherever
-    the contiguous cache's two best logits are far apart; in bf16 or fp16, within NEAR_TIE of
-    each other, either choice is rounding, and the comparison goes on."""
+    the contiguous cache's two best logits are far apart; in bf16 or fp16, within `near_tie` of
+    each other (two steps of the dtype at their size), either choice is rounding, and the
+    comparison goes on."""
     from minipaged.benchmarks import smollm2
 
-    tie, apart = (torch.tensor([0.0, 13.15, 13.15 - smollm2.NEAR_TIE / 2]),
-                  torch.tensor([0.0, 13.15, 12.0]))
-    for contiguous in (tie, apart):
+    assert smollm2.near_tie(13.15, torch.bfloat16) == 0.125              # two bf16 steps
+    assert smollm2.near_tie(-36.25, torch.bfloat16) == 0.5
+    tie, apart = (torch.tensor([0.0, 13.15, 13.15 - 0.0625]), torch.tensor([0.0, 13.15, 12.0]))
+    far_up = torch.tensor([0.0, 36.25, 36.0])         # one bf16 step apart, at 32-64: a tie
+    for contiguous in (tie, apart, far_up):
         paged = contiguous.clone()
-        paged[2] = 14.0                              # the paged cache picks token 2, not 1
+        paged[2] = contiguous.max() + 1              # the paged cache picks token 2, not 1
         logits = {"contiguous": contiguous, "paged": paged}
         with pytest.raises(RuntimeError, match="differs from the contiguous cache"):
             smollm2.check_same_choice(logits, torch.float32, 0)
