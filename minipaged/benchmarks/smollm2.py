@@ -29,7 +29,10 @@ Measured:
     paging costs at batch 1 than two runs' rates, which move by several percent between runs),
     and where those steps' time goes (`decode_step`'s timers): the bookkeeping, the layers'
     writes and gathers, the attention math, the rest of the forward; the median of each, with
-    llama.cpp's whole token beside them, so the gap to it reads in milliseconds by cause;
+    llama.cpp's whole token beside them, so the gap to it reads in milliseconds by cause. A
+    compiled step's timers see only its bookkeeping, so after every step of minipaged.fast's
+    paged cache its products are also timed alone, and one llama.cpp token of the same prompt:
+    the step, its products and llama.cpp's token, medians of the same seconds;
   * 16 requests (chat prompts of 30 to 250 tokens, --new-tokens each, no early stop): every
     token over the wall time, prefill included. minipaged's engine and `generate_batch` run
     at most 512 tokens a step (stage 5b's max_num_batched_tokens, transformers'
