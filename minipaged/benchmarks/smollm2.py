@@ -187,7 +187,7 @@ def paged_over_contiguous(model, prompt, n, rounds: int = STEP_ROUNDS, peer=None
             logits[name] = model(torch.tensor([prompt], device=p.device), cache=cache,
                                  last_only=True)[0, -1]
         theirs = peer.llm.generate(prompt, temp=0.0, top_k=1, reset=True) if peer else None
-        if theirs:
+        if theirs is not None:
             next(theirs)                                         # its prompt: not counted
         for step in range(n - 1):
             check_same_choice(logits, p.dtype, step)
@@ -196,7 +196,7 @@ def paged_over_contiguous(model, prompt, n, rounds: int = STEP_ROUNDS, peer=None
                 logits[name] = decode_step.step(model, caches[name], [0], token,
                                                 timers[name])[0, -1]
             products.append(products_seconds(model))
-            if theirs:
+            if theirs is not None:
                 start = time.perf_counter()
                 next(theirs)
                 peer_tokens.append(time.perf_counter() - start)
