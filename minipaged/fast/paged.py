@@ -47,8 +47,8 @@ import torch.nn.functional as F
 
 from ..backends import BACKENDS, flash_attn, pick_backend, why_not_flash
 from ..cache_manager import PAD_BLOCK
-from ..cache_checks import check_step_ids, check_step_room
-from ..checks import check_count, check_flag
+from ..cache_checks import check_step, check_step_room
+from ..checks import check_flag
 from ..chunked_engine import PackedBatch
 from ..cpu_attention import FLAGS, KV_TYPES, build, build_function, decode_attention, why_not_cpu
 from ..errors import RequestError
@@ -248,8 +248,7 @@ class FastSteps:
         every layer's allocator; the lengths of the others advance in all layers at once (most
         decode steps have none or a few such rows among many). A step in which another row
         would first copy a shared block goes stage 3's way whole."""
-        ids, n, first = check_step_ids(self, seq_ids), check_count(num_new_tokens), \
-            self.managers[0]
+        (ids, n), first = check_step(self, seq_ids, num_new_tokens), self.managers[0]
         if not all(s in first for s in ids):
             return super().prepare(ids, n)
         taking, _, _ = first._crossing(np.asarray(ids), n)    # rows whose last block fills up
