@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -939,13 +940,15 @@ def test_a_step_takes_the_blocks_stage_3s_prepare_takes_under_random_steps(share
     random blocks), through steps where some rows cross a block boundary and others do not,
     forks whose shared last blocks are copied on write, frees and refusals, every layer's
     table, lengths and reference counts stay the stage's, and a refused step changes
-    nothing in either."""
+    nothing in either. Each step's plan is the one `plan_step` makes anew from the stage's
+    tables, also where the last decode step's plan went on in place (`goes_on`), as many
+    steps that repeat the last one's rows do."""
     rng = random.Random(1)
     args = tiny_model().args
     kinds = (SharedPagedCache, FastSharedPagedCache) if shared else (PagedCache, FastPagedCache)
     ref, fast = (kind(args, num_blocks=18, block_size=4, max_seqs=6, max_seq_len=40)
                  for kind in kinds)
-    live, refusals, crossing_steps = {}, 0, 0
+    live, refusals, crossing_steps, went_on, last = {}, 0, 0, 0, None
     for _ in range(400):
         op = rng.random()
         if live and (op < 0.1 or max(live.values()) > 36):
@@ -961,10 +964,13 @@ def test_a_step_takes_the_blocks_stage_3s_prepare_takes_under_random_steps(share
             continue
         if free and (not live or op < 0.4):        # a new sequence: its prompt
             ids, n = free[:1], rng.randint(1, 9)
+        elif last and all(s in live for s in last) and op < 0.8:   # the last step's rows
+            ids, n = last, 1
         else:                                       # running ones: decode, or a few tokens
             ids = sorted(rng.sample(sorted(live), k=rng.randint(1, len(live))))
             n = rng.choice([1, 1, 1, 2, 3])
         results, before = [], (fast.block_table.clone(), fast.seq_lens.clone())
+        last_plan = fast.plan
         for cache in (ref, fast):
             try:
                 cache.prepare(ids, n)
@@ -989,7 +995,33 @@ def test_a_step_takes_the_blocks_stage_3s_prepare_takes_under_random_steps(share
                 assert (a.refs == b.refs).all(), layer
         if results[0] == "ok":
             assert fast.plan.cache_seqlens.tolist() == [live[s] - n for s in ids]
-    assert refusals > 5 and crossing_steps > 50, (refusals, crossing_steps)
+            width = -(-max(live[s] for s in ids) // 4)
+            anew = fast_paged.plan_step(
+                torch.stack([m.block_table[ids, :width] for m in ref.managers]),
+                torch.tensor([live[s] - n for s in ids], dtype=torch.int32), n, 4)
+            for name, want, got in zip(anew._fields, anew, fast.plan):
+                assert torch.equal(got, want), name
+            went_on += fast.plan is last_plan
+        last = ids if n == 1 and results[0] == "ok" else None
+    assert refusals > 5 and crossing_steps > 50 and went_on > 20, \
+        (refusals, crossing_steps, went_on)
+
+
+def test_a_decode_step_goes_on_from_the_last_plan_only_inside_its_blocks():
+    """`goes_on`'s rule, asked directly after a decode step of rows 7 and 5 tokens long
+    (block_size 4): one token more each stays in their blocks; a row whose next token opens a
+    block (length 8) does not go on, even with the same tables; nor do other rows or lengths."""
+    cache = FastPagedCache(tiny_model().args, num_blocks=16, block_size=4, max_seqs=4,
+                           max_seq_len=32)
+    cache.prepare([0], 6), cache.prepare([1], 4), cache.prepare([0, 1], 1)
+    assert cache.plan.seqlens_k.tolist() == [7, 5]
+    assert cache.goes_on([0, 1], 1, np.array([8, 6]), 2)
+    for ids, n, lens in (([0, 1], 1, [9, 6]), ([0, 1], 1, [8, 7]), ([0, 1], 2, [9, 7]),
+                         ([0], 1, [8])):
+        assert not cache.goes_on(ids, n, np.array(lens), 2), (ids, n, lens)
+    cache.plan.seqlens_k[1] = 4       # as if row 1 held its second block ahead: the tables
+                                      # are the same, but its next token opens that block
+    assert not cache.goes_on([0, 1], 1, np.array([8, 5]), 2)
 
 
 def test_a_manager_refuses_a_block_table_of_the_wrong_shape_or_type():
@@ -1013,7 +1045,10 @@ def test_the_backend_is_chosen_once_a_step_not_once_a_layer(monkeypatch):
     out = generate_paged(model, prompts, 6, stop_tokens=[], max_seq_len=32, block_size=4,
                          cache_class=FastPagedCache)
     assert out == [greedy_reference(model, p, 6) for p in prompts]
-    assert len(calls) == 2 + 5           # two prefills, five decode steps; not times 3 layers
+    # two prefills, and of the five decode steps the three that make a new plan (a row enters
+    # a block: lengths 4 and 2 before the first step, block_size 4); not times 3 layers. The
+    # other two go on from the last plan (`goes_on`), and their backend with it.
+    assert len(calls) == 2 + 3
 
 
 @pytest.mark.parametrize("options", [

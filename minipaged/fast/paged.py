@@ -96,7 +96,8 @@ def plan_step(block_tables, cache_seqlens, num_new_tokens: int, block_size: int,
     # write_new_kv's slot mapping
     positions = before[:, None] + np.arange(num_new_tokens)                   # (B, T)
     blocks = tables[:, np.arange(B)[:, None], positions // block_size]        # (layers, B, T)
-    slot_mapping = (blocks * block_size + positions % block_size).reshape(len(tables), -1)
+    slot_mapping = np.ascontiguousarray(  # (numpy's fancy indexing may hand it back strided)
+        (blocks * block_size + positions % block_size).reshape(len(tables), -1))
     return PagedStep(cache_seqlens.to(device), *(torch.from_numpy(a).to(device) for a in (
         seqlens_k, block_tables.numpy(), tables, positions, slot_mapping)))
 
@@ -242,6 +243,7 @@ class FastSteps:
         self._tables, self._lens = self.block_table.numpy(), self.seq_lens.numpy()  # same memory
         self.plan = None                  # the PagedStep every layer's attend reads
         self._implementation = None       # the backend serving this step, once chosen
+        self._decode = None               # the plan's DecodeAttention, once made
 
     def prepare(self, seq_ids, num_new_tokens: int) -> None:
         """Stage 3's prepare, but only the rows whose last block fills up this step go through
@@ -265,16 +267,38 @@ class FastSteps:
         self.set_step(ids, n)
 
     def set_step(self, seq_ids, num_new_tokens: int) -> None:
-        """What every layer's `attend` reads this step, planned once for all layers."""
+        """What every layer's `attend` reads this step, planned once for all layers; a decode
+        step that goes on from the last one on the same blocks advances its plan instead."""
         device = self.managers[0].device
         lens = self._lens[0, seq_ids]                                                # (B,)
         width = max(1, -(-int(lens.max()) // self.block_size))   # blocks the longest row holds
+        if self.goes_on(seq_ids, num_new_tokens, lens, width):
+            for t in (self.plan.cache_seqlens, self.plan.seqlens_k, self.plan.positions,
+                      self.plan.slot_mapping):
+                t += 1                                # one token later, in the same blocks
+            return
+        self._decode = None
         self.plan = plan_step(torch.from_numpy(self._tables[:, seq_ids, :width]),
                               torch.from_numpy(lens - num_new_tokens), num_new_tokens,
                               self.block_size, device)
         self.cache_seqlens, self.positions = self.plan.cache_seqlens, self.plan.positions
         self.block_tables = self.plan.block_tables
         self._implementation = None
+
+    def goes_on(self, seq_ids, num_new_tokens: int, lens, width: int) -> bool:
+        """Whether this step is the last one's decode step, one token on: the same rows, each
+        one token longer, none entering a block, on the same block tables (vLLM keeps its
+        batch across steps the same way and writes only what changed). Then every number of
+        the last plan is one more (the lengths, positions and slots) and the rest is as it was,
+        so `set_step` adds one in place: at one row, it saves a fifth of a millisecond of a
+        step's Python (the plan, and `decode_attention`'s, which reads the same tensors)."""
+        plan = self.plan
+        if num_new_tokens != 1 or plan is None or plan.positions.shape != (len(lens), 1) or \
+                plan.block_tables.shape[2] != width or plan.seqlens_k.device.type != "cpu":
+            return False
+        return bool(((lens - 1) % self.block_size).all()) and \
+            np.array_equal(plan.seqlens_k.numpy(), lens - 1) and \
+            np.array_equal(plan.block_tables.numpy(), self._tables[:, seq_ids, :width])
 
     def attend(self, layer: int, q, k, v):
         """Stage 3's attend, on the step `set_step` planned. Blocks of another format (stage
@@ -308,7 +332,9 @@ class FastSteps:
                         dtype=self.dtype)                                     # shape, dtype
         if self.implementation(q, 0) != "cpu":
             return None
-        return DecodeAttention(self, q.shape[2], Hk, D)
+        if self._decode is None or self._decode.plan is not plan:
+            self._decode = DecodeAttention(self, q.shape[2], Hk, D)
+        return self._decode.again()
 
 
 def decode_attention_of(cache):
@@ -369,7 +395,16 @@ class DecodeAttention:
         self.managers, self.heads = managers, (Hq, Hk, D)
         self.block_size, self.scale = cache.block_size, D ** -0.5
         self.threads = torch.get_num_threads()
-        self._plan = None
+        self.plan, self._plan = plan, None
+
+    def again(self) -> DecodeAttention:
+        """This, for the cache's current step: its plan may have gone on in place since
+        (`FastSteps.goes_on`: every number one more). The lengths, slots and tables are the
+        plan's own tensors (`plan_step` makes them contiguous), read where they lie, by
+        `address`'s plan too; the slot addresses of `layers` are worked out again."""
+        self.threads = torch.get_num_threads()
+        self.__dict__.pop("layers", None)
+        return self
 
     @functools.cached_property
     def layers(self) -> list:
