@@ -605,15 +605,16 @@ def test_the_compiled_batch_step_serves_every_step_and_gives_the_references(batc
     chunks in one row of tokens, a few logits kept) all run the one compiled graph, whatever
     their number of tokens, and the greedy tokens are the no-cache references'."""
     model, fast = batches_pair
-    step, shapes = fast.compiled_batches, []
+    step, shapes, native = fast.compiled_batches, [], fast.native
     fast.compiled_batches = lambda tokens, *a: shapes.append(tuple(tokens.shape)) or \
         step(tokens, *a)
+    fast.native = None           # decode steps through the graph, not as one C++ call
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     try:
         got = generate(fast, PROMPTS, 8, cache="paged", stop_tokens=[], max_seq_len=64,
                        block_size=4, **options)
     finally:
-        fast.compiled_batches = step
+        fast.compiled_batches, fast.native = step, native
     assert got == [greedy_reference(model, p, 8) for p in PROMPTS]
     assert len(set(shapes)) >= 2                                    # steps of several sizes,
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # none compiled anew

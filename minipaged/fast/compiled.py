@@ -74,6 +74,7 @@ import torch.nn as nn
 from ..kv_cache import ContiguousCache
 from .fused_llama import FusedLlama, rotary_cos_sin
 from . import operators
+from .native_step import native_step
 from .paged import decode_attention_of
 
 log = logging.getLogger(__name__)
@@ -296,11 +297,12 @@ def compile_decode(fast: FusedLlama, batches: bool = False, fewer_threads: bool 
     except Exception as e:               # no C++ compiler, an unsupported op...: stay eager
         log.warning("could not compile the decode step (%s: %s); running it eager",
                     type(e).__name__, e)
-        fast.compiled = fast.compiled_batches = None
+        fast.compiled = fast.compiled_batches = fast.native = None
         fast.compiled_threads = ()
         return float("nan")
     finally:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
     fast.compiled, fast.compiled_batches, fast.compiled_threads = step, many, counts
+    fast.native = native_step(fast)       # decode steps on the paged cache: one C++ call
     return time.perf_counter() - start

@@ -99,6 +99,7 @@ class FusedLlama(nn.Module):
         self.compiled = None     # set by `compile_decode` (compiled.py): the decode step
         self.compiled_batches = None    # and with batches=True: every other step on a cache
         self.compiled_threads = ()      # the thread counts those graphs were compiled for
+        self.native = None       # set by `compile_decode`: decode steps as one C++ call
 
     def forward(self, tokens, cache=None, last_only: bool = False, logits_indices=None):
         """As `Llama.forward`: logits (B, T, vocab) float32, (B, 1, vocab) with `last_only`,
@@ -106,6 +107,10 @@ class FusedLlama(nn.Module):
         has compiled them (compiled.py): one sequence's decode step, and with `batches=True`
         every other step."""
         B, T = tokens.shape
+        if self.native is not None and cache is not None:       # native_step.py
+            logits = self.native(tokens, cache, last_only, logits_indices)
+            if logits is not None:
+                return logits
         if cache is None:
             positions = torch.arange(T, device=tokens.device)[None, :].expand(B, T)  # (B, T)
         else:

@@ -18,8 +18,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -99,6 +101,28 @@ extern "C" const void *minipaged_install_plan(const void *plan) {
     return before;
 }
 
+// Layer `layer` of the installed plan's step: each row's new k and v into its slot (bytes of
+// the pool's dtype; on int8 pools, k32 and v32, quantized into the slot), then the kernel over
+// q32 (rows, heads, head_dim) into out.
+static void attend_plan(const DecodePlan *p, int64_t layer, const char *k_new, const char *v_new,
+                        const float *k32, const float *v32, const float *q32, float *out) {
+    char *k_pool = p->pools[2 * layer], *v_pool = p->pools[2 * layer + 1];
+    const int64_t *slots = p->slots + layer * p->rows, n = p->token_bytes;
+    if (p->quantize) {                                   // int8: quantized into their slots
+        p->quantize(k32, reinterpret_cast<int8_t *>(k_pool), slots, p->rows, p->kv_heads,
+                    p->head_dim);
+        p->quantize(v32, reinterpret_cast<int8_t *>(v_pool), slots, p->rows, p->kv_heads,
+                    p->head_dim);
+    } else {
+        for (int64_t r = 0; r < p->rows; r++) {          // the new tokens into their slots
+            std::memcpy(k_pool + slots[r] * n, k_new + r * n, n);
+            std::memcpy(v_pool + slots[r] * n, v_new + r * n, n);
+        }
+    }
+    p->kernel(q32, k_pool, v_pool, p->tables + layer * p->rows * p->width, p->width, p->lens,
+              p->rows, p->kv_heads, p->block_size, p->scale, out, at::get_num_threads());
+}
+
 static at::Tensor attend_cpu(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
                              int64_t layer) {
     const DecodePlan *p = installed;
@@ -113,32 +137,161 @@ static at::Tensor attend_cpu(const at::Tensor &q, const at::Tensor &k, const at:
                               int64_t)>();
         return python.call(q, k, v, layer);
     }
-    at::Tensor k_ = k.contiguous(), v_ = v.contiguous();
-    char *k_pool = p->pools[2 * layer], *v_pool = p->pools[2 * layer + 1];
-    const char *k_new = static_cast<const char *>(k_.const_data_ptr());
-    const char *v_new = static_cast<const char *>(v_.const_data_ptr());
-    const int64_t *slots = p->slots + layer * p->rows, n = p->token_bytes;
-    if (p->quantize) {                                   // int8: quantized into their slots
-        at::Tensor k32 = k_.to(at::kFloat).contiguous(), v32 = v_.to(at::kFloat).contiguous();
-        p->quantize(k32.const_data_ptr<float>(), reinterpret_cast<int8_t *>(k_pool), slots,
-                    p->rows, p->kv_heads, p->head_dim);
-        p->quantize(v32.const_data_ptr<float>(), reinterpret_cast<int8_t *>(v_pool), slots,
-                    p->rows, p->kv_heads, p->head_dim);
-    } else {
-        for (int64_t r = 0; r < p->rows; r++) {          // the new tokens into their slots
-            std::memcpy(k_pool + slots[r] * n, k_new + r * n, n);
-            std::memcpy(v_pool + slots[r] * n, v_new + r * n, n);
-        }
+    at::Tensor k_ = k.contiguous(), v_ = v.contiguous(), k32, v32;
+    if (p->quantize) {
+        k32 = k_.to(at::kFloat).contiguous();
+        v32 = v_.to(at::kFloat).contiguous();
     }
     at::Tensor q32 = q.to(at::kFloat).contiguous();
     at::Tensor out = at::empty(q.sizes(), q32.options());
-    p->kernel(q32.const_data_ptr<float>(), k_pool, v_pool, p->tables + layer * p->rows * p->width,
-              p->width, p->lens, p->rows, p->kv_heads, p->block_size, p->scale,
-              out.mutable_data_ptr<float>(), at::get_num_threads());
+    attend_plan(p, layer, static_cast<const char *>(k_.const_data_ptr()),
+                static_cast<const char *>(v_.const_data_ptr()),
+                p->quantize ? k32.const_data_ptr<float>() : nullptr,
+                p->quantize ? v32.const_data_ptr<float>() : nullptr,
+                q32.const_data_ptr<float>(), out.mutable_data_ptr<float>());
     return out.to(q.scalar_type());
 }
 
 TORCH_LIBRARY_IMPL(minipaged, CPU, m) {
     m.impl("panel_linear", panel_linear_cpu);
     m.impl("attend", attend_cpu);
+}
+
+// ---- A decode step in one call (native_step.py) ----------------------------------------------
+// A FusedLlama's decode step (B rows, one new token each) on the installed plan, as one C++ call
+// instead of a compiled graph: the same products (panels.c), the same attention (the plan's
+// kernel), and between them the small operations a layer does, as plain loops over float32
+// buffers. Where the model is bfloat16, each result is rounded to bfloat16 where the model's
+// tensor would be (`keep`), so the numbers are the model's up to the order of the sums.
+struct StepLayer {
+    const void *wqkv, *wo, *w13, *w2;        // panels (panel_weight's layout)
+    const void *attention_norm, *ffn_norm;   // (dim,) in the model's dtype
+};
+struct StepModel {
+    int64_t layers, dim, hidden, heads, kv_heads, head_dim, vocab;
+    int64_t bf16;                            // the model's dtype: bfloat16 (1) or float32 (0)
+    float eps, norm_eps;
+    const void *embedding;                   // (vocab, dim)
+    const float *freqs;                      // (head_dim / 2,) the rotary frequencies
+    const StepLayer *layer;                  // (layers,)
+    const void *norm;                        // (dim,)
+    const void *output;                      // panels of the output projection
+};
+
+static float at_(const void *p, int64_t i, bool bf16) {     // element i, widened
+    return bf16 ? static_cast<float>(static_cast<const c10::BFloat16 *>(p)[i])
+                : static_cast<const float *>(p)[i];
+}
+
+// Rounded as the model stores it: to bfloat16's nearest, ties to even, as c10::BFloat16 rounds
+// (a NaN stays a NaN), in integer arithmetic the compiler vectorizes
+static void keep(float *x, int64_t n, bool bf16) {
+    if (!bf16)
+        return;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        std::memcpy(&u, x + i, 4);
+        const uint32_t rounded = (u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u;
+        u = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) & 0xffff0000u : rounded;
+        std::memcpy(x + i, &u, 4);
+    }
+}
+
+static void product(const void *panels, const float *x, float *y, int64_t M, int64_t N,
+                    int64_t K, bool bf16) {
+    if (bf16)
+        panel_linear_bf16(x, static_cast<const uint16_t *>(panels), y, M, N, K,
+                          at::get_num_threads());
+    else
+        panel_linear(x, static_cast<const float *>(panels), y, M, N, K, at::get_num_threads());
+    keep(y, M * N, bf16);
+}
+
+// RMSNorm as the model's: x / sqrt(mean(x^2) + eps) in float32, rounded, then times the weight
+static void rms_norm(const float *x, const void *weight, float *y, int64_t M, int64_t dim,
+                     float eps, bool bf16) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * dim;
+        float *ym = y + m * dim;
+        float sum = 0;
+        for (int64_t i = 0; i < dim; i++) sum += xm[i] * xm[i];
+        const float r = 1.0f / std::sqrt(sum / dim + eps);
+        for (int64_t i = 0; i < dim; i++) ym[i] = xm[i] * r;
+        keep(ym, dim, bf16);
+        for (int64_t i = 0; i < dim; i++) ym[i] *= at_(weight, i, bf16);
+        keep(ym, dim, bf16);
+    }
+}
+
+// Meta's interleaved rotary pairs (even, odd) of `heads` heads of x, at position pos
+static void rotate(float *x, int64_t heads, int64_t D, const float *freqs, int64_t pos) {
+    for (int64_t i = 0; i < D / 2; i++) {
+        const float angle = static_cast<float>(pos) * freqs[i];
+        const float c = std::cos(angle), s = std::sin(angle);
+        for (int64_t h = 0; h < heads; h++) {
+            float *e = x + h * D + 2 * i, even = e[0], odd = e[1];
+            e[0] = even * c - odd * s;
+            e[1] = odd * c + even * s;
+        }
+    }
+}
+
+// logits (rows, vocab) float32 of tokens (rows,) at positions (rows,); 0, else -1 where the
+// installed plan does not serve the step (nothing was written then)
+extern "C" int minipaged_decode_step(const StepModel *m, const int64_t *tokens,
+                                     const int64_t *positions, int64_t rows, float *logits) {
+    const DecodePlan *p = installed;
+    const bool bf16 = m->bf16;
+    const int64_t Hq = m->heads, Hk = m->kv_heads, D = m->head_dim, dim = m->dim, M = rows;
+    if (!p || p->rows != M || p->layers != m->layers || p->heads != Hq || p->kv_heads != Hk ||
+        p->head_dim != D || p->bf16 != m->bf16)
+        return -1;
+    const int64_t width = (Hq + 2 * Hk) * D;
+    std::vector<float> h(M * dim), a(M * dim), qkv(M * width), q(M * Hq * D), k(M * Hk * D),
+        v(M * Hk * D), att(M * Hq * D), o(M * dim), gu(M * 2 * m->hidden), s(M * m->hidden);
+    std::vector<c10::BFloat16> k16(bf16 ? M * Hk * D : 0), v16(bf16 ? M * Hk * D : 0);
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t i = 0; i < dim; i++) h[r * dim + i] = at_(m->embedding, tokens[r] * dim + i, bf16);
+    for (int64_t l = 0; l < m->layers; l++) {
+        const StepLayer &w = m->layer[l];
+        rms_norm(h.data(), w.attention_norm, a.data(), M, dim, m->eps, bf16);
+        product(w.wqkv, a.data(), qkv.data(), M, width, dim, bf16);
+        for (int64_t r = 0; r < M; r++) {                       // q, k rotated; v as it is
+            const float *row = qkv.data() + r * width;
+            float *qr = q.data() + r * Hq * D, *kr = k.data() + r * Hk * D;
+            std::memcpy(qr, row, Hq * D * sizeof(float));
+            std::memcpy(kr, row + Hq * D, Hk * D * sizeof(float));
+            std::memcpy(v.data() + r * Hk * D, row + (Hq + Hk) * D, Hk * D * sizeof(float));
+            rotate(qr, Hq, D, m->freqs, positions[r]);
+            rotate(kr, Hk, D, m->freqs, positions[r]);
+        }
+        keep(q.data(), q.size(), bf16);
+        keep(k.data(), k.size(), bf16);
+        const char *k_new = reinterpret_cast<const char *>(k.data());
+        const char *v_new = reinterpret_cast<const char *>(v.data());
+        if (bf16) {                                             // the pool's bytes
+            for (size_t i = 0; i < k.size(); i++) k16[i] = c10::BFloat16(k[i]), v16[i] = c10::BFloat16(v[i]);
+            k_new = reinterpret_cast<const char *>(k16.data());
+            v_new = reinterpret_cast<const char *>(v16.data());
+        }
+        attend_plan(p, l, k_new, v_new, k.data(), v.data(), q.data(), att.data());
+        keep(att.data(), att.size(), bf16);
+        product(w.wo, att.data(), o.data(), M, dim, Hq * D, bf16);
+        for (int64_t i = 0; i < M * dim; i++) h[i] += o[i];
+        keep(h.data(), h.size(), bf16);
+        rms_norm(h.data(), w.ffn_norm, a.data(), M, dim, m->eps, bf16);
+        product(w.w13, a.data(), gu.data(), M, 2 * m->hidden, dim, bf16);
+        for (int64_t r = 0; r < M; r++)                         // SwiGLU: silu(gate) * up
+            for (int64_t i = 0; i < m->hidden; i++) {
+                const float g = gu[r * 2 * m->hidden + i], u = gu[r * 2 * m->hidden + m->hidden + i];
+                s[r * m->hidden + i] = g / (1.0f + std::exp(-g)) * u;
+            }
+        keep(s.data(), s.size(), bf16);
+        product(w.w2, s.data(), o.data(), M, dim, m->hidden, bf16);
+        for (int64_t i = 0; i < M * dim; i++) h[i] += o[i];
+        keep(h.data(), h.size(), bf16);
+    }
+    rms_norm(h.data(), m->norm, a.data(), M, dim, m->norm_eps, bf16);
+    product(m->output, a.data(), logits, M, m->vocab, dim, bf16);
+    return 0;
 }

@@ -53,6 +53,7 @@ from . import matvec
 
 SOURCE = Path(__file__).with_name("operators.cpp")
 _install = None          # operators.cpp's `minipaged_install_plan`, once built
+decode_step = None       # and its `minipaged_decode_step` (native_step.py)
 
 
 class DecodePlan(ctypes.Structure):
@@ -77,7 +78,7 @@ def cxx_compiler() -> str | None:
 def build() -> str | None:
     """Build operators.cpp and register its kernels (the module's docstring); None once they
     are, else a sentence saying why not. Once a process: `compile_decode` asks for it."""
-    global _install
+    global _install, decode_step
     kernel = matvec.panel_kernel()
     if isinstance(kernel, str):
         return kernel
@@ -102,10 +103,12 @@ def build() -> str | None:
                 subprocess.run(step, check=True, capture_output=True, text=True, timeout=300)
             torch.ops.load_library(str(lib))                           # loaded: tmp may go
             library = ctypes.CDLL(str(lib))
-            _install = library.minipaged_install_plan
+            _install, decode_step = library.minipaged_install_plan, library.minipaged_decode_step
         except (OSError, subprocess.SubprocessError) as e:
             return f"{Path(cxx).name} could not build {SOURCE.name}: {build_error(e)}"
     _install.argtypes, _install.restype = [ctypes.c_void_p], ctypes.c_void_p
+    decode_step.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
+    decode_step.restype = ctypes.c_int
     matvec.panel_helper(False)        # (where panel_kernel's copy had one running)
     matvec.add_helper("operators", library.panel_helper, library.panel_helper_state,
                       library.panel_helper_stall)

@@ -1,0 +1,120 @@
+"""The decode step as one C++ call (minipaged/fast/native_step.py) against ground truth: the
+no-cache forward of stage 1's model, step after step, and the tokens of the compiled graphs."""
+
+import pytest
+import torch
+
+from conftest import greedy_reference, tiny_model
+from minipaged import generate
+from minipaged.fast import FastEngine, FastPagedCache, FusedLlama, compile_decode
+from minipaged.fast import native_step
+from minipaged.kv_cache import ContiguousCache
+
+PROMPTS = [[5, 9, 2, 77, 31], [100, 3], list(range(40, 53)), [7] * 6]
+# logits against the no-cache forward's, as a fraction of the largest: float32 differs by the
+# order of the sums; bfloat16 by a few roundings of bf16 (8 bits) on the way (seen: 2 ** -7)
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 ** -6}
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=str)
+def compiled(request):
+    model = tiny_model(dtype=request.param)
+    fast = FusedLlama(model)
+    assert compile_decode(fast, batches=True) > 0
+    assert fast.native is not None, native_step.why_not_native(fast)
+    return model, fast
+
+
+def test_decode_steps_as_one_call_give_the_no_cache_forwards_logits(compiled):
+    """Rows of different lengths, blocks of 4 (rows entering blocks, and plans going on from
+    the last step's): every decode step's logits, served by the one call, are the no-cache
+    forward's at the row's last token."""
+    model, fast = compiled
+    dtype = next(model.parameters()).dtype
+    cache = FastPagedCache(fast.args, num_blocks=40, block_size=4, max_seqs=4, max_seq_len=40,
+                           dtype=dtype)
+    seqs = [list(p) for p in PROMPTS]
+    with torch.inference_mode():
+        for i, p in enumerate(seqs):                        # the prompts, one by one
+            cache.prepare([i], len(p))
+            fast(torch.tensor([p]), cache)
+        for step in range(9):
+            new = [(7 * step + 3 * i) % 500 for i in range(len(seqs))]
+            cache.prepare(list(range(len(seqs))), 1)
+            got = fast.native(torch.tensor(new)[:, None], cache)
+            assert got is not None and got.shape == (len(seqs), 1, fast.args.vocab_size)
+            for i, t in enumerate(new):
+                seqs[i].append(t)
+                want = model(torch.tensor([seqs[i]]))[0, -1].float()
+                error = (got[i, 0] - want).abs().max() / want.abs().max()
+                assert error <= TOLERANCE[dtype], (step, i, float(error))
+
+
+@pytest.mark.parametrize("options", [dict(), dict(max_num_batched_tokens=8, block_size=4),
+                                     dict(block_size=4, speculative="ngram",
+                                          num_speculative_tokens=2)], ids=repr)
+def test_an_engine_on_the_one_call_step_gives_the_references_tokens(compiled, options):
+    model, fast = compiled
+    served, real = [], fast.native
+
+    def counted(*args, **kwargs):
+        logits = real(*args, **kwargs)
+        served.append(logits is not None)
+        return logits
+
+    fast.native = counted
+    try:
+        got = generate(fast, PROMPTS[:3], 8, cache="paged", stop_tokens=[], max_seq_len=64,
+                       engine_class=FastEngine, **options)
+    finally:
+        fast.native = real
+    assert got == [greedy_reference(model, p, 8) for p in PROMPTS[:3]]
+    assert sum(served) >= 7                               # the decode steps, at least
+
+
+def test_int8_blocks_give_the_compiled_graphs_tokens(compiled):
+    """On stage 4b's int8 blocks (k and v quantized into their slots in C), the one call gives
+    the tokens the compiled graphs give."""
+    _, fast = compiled
+    runs, real = [], fast.native
+    for native in (real, None):
+        fast.native = native
+        runs.append(generate(fast, PROMPTS[:3], 8, cache="paged", stop_tokens=[],
+                             max_seq_len=64, block_size=4, kv_dtype="int8",
+                             engine_class=FastEngine))
+    fast.native = real
+    assert runs[0] == runs[1]
+
+
+def test_the_one_call_leaves_other_steps_to_the_graphs(compiled):
+    """None (the caller goes on to the graphs) for a prompt, for more rows than it serves, and
+    on the contiguous cache; the model's forward then gives the no-cache forward's logits."""
+    model, fast = compiled
+    dtype = next(model.parameters()).dtype
+    rows = native_step.MOST_ROWS + 1
+    paged = FastPagedCache(fast.args, num_blocks=40, block_size=4, max_seqs=rows,
+                           max_seq_len=40, dtype=dtype)
+    with torch.inference_mode():
+        paged.prepare([0], 5)
+        assert fast.native(torch.tensor([PROMPTS[0]]), paged) is None               # a prompt
+        for i in range(1, rows):
+            paged.prepare([i], 5)
+            fast(torch.tensor([PROMPTS[0]]), paged)
+        paged.prepare(list(range(rows)), 1)
+        assert fast.native(torch.full((rows, 1), 9), paged) is None              # too many
+        contiguous = ContiguousCache(fast.args, 1, 8, dtype=dtype)
+        contiguous.prepare([0], 5)
+        fast(torch.tensor([PROMPTS[0]]), contiguous)
+        contiguous.prepare([0], 1)
+        assert fast.native(torch.tensor([[9]]), contiguous) is None
+        got = fast(torch.tensor([[9]]), contiguous)[0, -1]
+    want = model(torch.tensor([PROMPTS[0] + [9]]))[0, -1].float()
+    assert (got - want).abs().max() <= TOLERANCE[dtype] * want.abs().max()
+
+
+def test_a_model_the_one_call_cannot_serve_says_why():
+    for dtype in (torch.float16, torch.float64):
+        why = native_step.why_not_native(FusedLlama(tiny_model(dtype=dtype)))
+        assert why and "the step takes float32 or bfloat16 on the CPU" in why
+        with pytest.raises(RuntimeError, match="the decode step cannot be one call"):
+            native_step.NativeStep(FusedLlama(tiny_model(dtype=dtype)))
