@@ -98,7 +98,7 @@ def minipaged_engine(dtype: str, threads: int, compiled: bool, fewer_threads: bo
     ran = kernels(getattr(torch, dtype), args.head_dim, args.n_heads // args.n_kv_heads)
     return run, "minipaged.fast, FastEngine" + ("" if compiled else ", not compiled") + \
         f"; built for {ran['built for']}; products: {ran['products']}; attention: " \
-        f"{ran['attention']}"
+        f"{ran['attention']}" + (f"; decode steps: {ran['decode step']}" if compiled else "")
 
 
 def work():

@@ -11,6 +11,8 @@
                     thread fewer; optional, eager when it cannot
     operators.py    the compiled steps' two operators (products, attention) with their CPU
                     kernels in C++ (operators.cpp), so that a step's calls stay out of Python
+    native_step.py  NativeStep: a decode step of a few rows on the paged cache as one C++ call
+                    (operators.cpp), no graph around it; compile_decode attaches it
     contiguous.py   FastContiguousCache: stage 1's contiguous cache, decode row by row over views
     paged.py        FastPagedCache, FastEngine: stage 3's paged cache with a step's bookkeeping
                     planned once for all layers, and stage 3b's C kernel for decode on a CPU

@@ -29,7 +29,9 @@ other steps through the cache's `attend`. Two graphs:
 
 `compile_decode` first registers both operators' CPU kernels in C++ (operators.py), so that
 their calls stay out of Python; where no C++ compiler builds them, their Python functions serve
-them, and the graph of one row keeps the compiler's products.
+them, and the graph of one row keeps the compiler's products. Where they build, it also gives
+the model a decode step without a graph (`fast.native`, native_step.py): on the speed layer's
+paged cache, a decode step of up to 4 rows is one C++ call, and the graphs serve the rest.
 
 Both graphs are compiled with inductor's `cpp_wrapper`: the code that calls a graph's kernels
 and the two operators one after another, hundreds of calls a step, is generated C++ rather than
@@ -267,7 +269,8 @@ def compile_decode(fast: FusedLlama, batches: bool = False, fewer_threads: bool 
     everything else on a cache (compiled.py's docstring), on throwaway caches, for torch's
     thread count and with `fewer_threads` for one thread fewer too; returns the seconds it
     took (NaN if it failed: `fast` stays eager). Later steps of `fast` run compiled, and
-    `fast.compiled_threads` holds the thread counts compiled for."""
+    `fast.compiled_threads` holds the thread counts compiled for; `fast.native` is its one-call
+    decode step (native_step.py), or None where it has none."""
     p = next(fast.parameters())
     if p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16):
         why = operators.build()            # the operators' kernels in C++, before any graph

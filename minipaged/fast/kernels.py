@@ -4,13 +4,15 @@ The speed layer's C kernels are built on first use for the CPU they run on (`-ma
 the CPU that `MINIPAGED_MARCH` names), and each computes with the widest vectors that build
 offers (`minipaged/simd.h`: avx512, avx2, neon, or plain). What a product runs depends on
 that and on the dtype (matvec.py): panels.c, oneDNN's packed kernel, or torch's own product;
-attention runs stage 3b's C kernel where it builds, else stage 3's PyTorch path. The benchmarks
+attention runs stage 3b's C kernel where it builds, else stage 3's PyTorch path; a compiled
+model's decode step of a few rows is one C++ call where operators.cpp builds. The benchmarks
 print this beside their figures; call it for your own code:
 
     >>> from minipaged.fast import kernels
     >>> kernels(torch.bfloat16)
     {'cpu': 'AMD EPYC ... (avx2 fma f16c avx512f avx512_bf16)', 'built for': 'native',
-     'products': 'panels.c (avx512), bf16 weights', 'one row': ..., 'attention': ...}
+     'products': 'panels.c (avx512), bf16 weights', 'one row': ..., 'attention': ...,
+     'decode step': 'one C++ call up to 4 rows (operators.cpp); more rows, the compiled graph'}
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .. import cpu_attention
-from . import matvec
+from . import matvec, native_step, operators
 
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "fphp")
 
@@ -75,12 +77,27 @@ def attention_kernel(dtype: torch.dtype, head_dim: int = 64, group: int = 3) -> 
     return f"cpu_attention.c ({cpu_attention.built_for[dtype, head_dim, group]})"
 
 
+def step_kernel(dtype: torch.dtype) -> str:
+    """What runs a decode step of a FusedLlama of `dtype` compiled by `compile_decode`, on the
+    speed layer's paged cache (native_step.py)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return "the compiled graph (the one-call step takes float32 or bfloat16)"
+    if matvec.panel_weight(torch.zeros(matvec.PANEL, 8, dtype=dtype)) is None:
+        return "the compiled graph (the products have no panels: the one-call step needs them)"
+    why = operators.build()
+    if why:
+        return f"the compiled graph (operators.cpp: {why})"
+    return f"one C++ call up to {native_step.MOST_ROWS} rows (operators.cpp); more rows, " \
+        "the compiled graph"
+
+
 def kernels(dtype: torch.dtype = torch.float32, head_dim: int = 64, group: int = 3) -> dict:
     """The CPU, what the C kernels were built for, and what runs a model of `dtype`: its
-    products of several rows and of one row, and its paged attention (for heads of `head_dim`,
-    `group` query heads per KV head)."""
+    products of several rows and of one row, its paged attention (for heads of `head_dim`,
+    `group` query heads per KV head) and its compiled decode steps."""
     return {"cpu": cpu_name(),
             "built for": os.environ.get("MINIPAGED_MARCH", "native"),
             "products": product_kernel(dtype),
             "one row": product_kernel(dtype, "one"),
-            "attention": attention_kernel(dtype, head_dim, group)}
+            "attention": attention_kernel(dtype, head_dim, group),
+            "decode step": step_kernel(dtype)}

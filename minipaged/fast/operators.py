@@ -30,6 +30,9 @@ turns, two of each, medians of five (the 2-core Intel machine of the serving ben
 Before, a layer's attention at one row spent 35 of its 63 microseconds in Python around the
 kernel, and the trip from the compiled graph into Python came on top.
 
+The same library holds `minipaged_decode_step`: a decode step of a few rows as one call, on the
+installed plan (native_step.py).
+
 The build takes a few seconds, once a process, and needs the C compiler panels.c builds with
 and a C++ compiler ($CXX, else c++, g++ or clang++); where either is missing, `build` returns a
 sentence saying why and the Python functions keep serving both operators. One plan is installed
