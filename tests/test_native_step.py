@@ -118,3 +118,23 @@ def test_a_model_the_one_call_cannot_serve_says_why():
         assert why and "the step takes float32 or bfloat16 on the CPU" in why
         with pytest.raises(RuntimeError, match="the decode step cannot be one call"):
             native_step.NativeStep(FusedLlama(tiny_model(dtype=dtype)))
+
+
+def test_the_benchmarks_time_the_products_as_the_one_call_makes_them(compiled, monkeypatch):
+    """`benchmarks.smollm2.products_seconds` times a model with a one-call step through it
+    (`NativeStep.products_seconds`: the step's products in one C++ call), and the others' MatVecs
+    one by one."""
+    from minipaged.benchmarks import smollm2
+
+    _, fast = compiled
+    asked = []
+    real = type(fast.native).products_seconds
+    monkeypatch.setattr(type(fast.native), "products_seconds",
+                        lambda self, rows=1: asked.append(rows) or real(self, rows))
+    assert smollm2.products_seconds(fast) > 0 and asked == [1]
+    assert fast.native.products_seconds(native_step.MOST_ROWS) > 0
+    native, fast.native = fast.native, None
+    try:
+        assert smollm2.products_seconds(fast) > 0 and asked == [1, native_step.MOST_ROWS]
+    finally:
+        fast.native = native

@@ -12,7 +12,8 @@ them alike:
     paged ones on the speed layer's cache (`minipaged.fast.FastPagedCache`, `FastEngine`: a
     step planned once for all layers, stage 3b's C kernel for decode);
   * minipaged.fast: the same weights fused and laid out for a CPU (`FusedLlama`), its batch-1
-    decode step compiled (`compile_decode`; the compile time is reported, not counted);
+    decode step compiled (`compile_decode`; the compile time is reported, not counted), on
+    the paged cache one C++ call (`fast.native`, native_step.py);
   * transformers: `generate` at batch 1, `generate_batch` (continuous batching) for many;
   * llama.cpp (llama-cpp-python, when it is installed): the GGUF converted with its own
     quantizer to F32 (against fp32) and F16 (against bf16), cached in --cache-dir.
@@ -213,9 +214,12 @@ def paged_over_contiguous(model, prompt, n, rounds: int = STEP_ROUNDS, peer=None
 
 def products_seconds(model) -> float | None:
     """Seconds a batch-1 step's products take alone: every `MatVec` of a `FusedLlama`
-    (SmolLM2: 121) on one row, back to back, through the kernel its compiled step calls
-    (`minipaged::panel_linear`, where the panels exist), each call's dispatch included; None
-    for a model without them."""
+    (SmolLM2: 121) on one row, back to back, as its paged decode step calls them: in one C++
+    call where the step is one (`fast.native`, native_step.py), else each through the kernel
+    its compiled step calls (`minipaged::panel_linear`, where the panels exist), each call's
+    dispatch included; None for a model without them."""
+    if getattr(model, "native", None) is not None:
+        return model.native.products_seconds()
     mats = [m for m in model.modules() if isinstance(m, MatVec)]
     if not mats:
         return None

@@ -23,6 +23,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -296,4 +297,20 @@ extern "C" int minipaged_decode_step(const StepModel *m, const int64_t *tokens,
     rms_norm(h.data(), m->norm, a.data(), M, dim, m->norm_eps, bf16);
     product(m->output, a.data(), logits, M, m->vocab, dim, bf16);
     return 0;
+}
+
+// The step's products alone, as `minipaged_decode_step` calls them, on rows of zeros: for the
+// benchmarks, which time them beside the whole step (benchmarks/smollm2.py)
+extern "C" void minipaged_step_products(const StepModel *m, int64_t rows) {
+    const int64_t Hq = m->heads, Hk = m->kv_heads, D = m->head_dim, dim = m->dim, M = rows;
+    const int64_t widest = std::max({(Hq + 2 * Hk) * D, 2 * m->hidden, m->vocab, dim});
+    std::vector<float> x(M * std::max(dim, m->hidden)), y(M * widest);
+    for (int64_t l = 0; l < m->layers; l++) {
+        const StepLayer &w = m->layer[l];
+        product(w.wqkv, x.data(), y.data(), M, (Hq + 2 * Hk) * D, dim, m->bf16);
+        product(w.wo, x.data(), y.data(), M, dim, Hq * D, m->bf16);
+        product(w.w13, x.data(), y.data(), M, 2 * m->hidden, dim, m->bf16);
+        product(w.w2, x.data(), y.data(), M, dim, m->hidden, m->bf16);
+    }
+    product(m->output, x.data(), y.data(), M, m->vocab, dim, m->bf16);
 }

@@ -57,6 +57,7 @@ from . import matvec
 SOURCE = Path(__file__).with_name("operators.cpp")
 _install = None          # operators.cpp's `minipaged_install_plan`, once built
 decode_step = None       # and its `minipaged_decode_step` (native_step.py)
+step_products = None     # and `minipaged_step_products` (the benchmarks time it)
 
 
 class DecodePlan(ctypes.Structure):
@@ -81,7 +82,7 @@ def cxx_compiler() -> str | None:
 def build() -> str | None:
     """Build operators.cpp and register its kernels (the module's docstring); None once they
     are, else a sentence saying why not. Once a process: `compile_decode` asks for it."""
-    global _install, decode_step
+    global _install, decode_step, step_products
     kernel = matvec.panel_kernel()
     if isinstance(kernel, str):
         return kernel
@@ -107,11 +108,13 @@ def build() -> str | None:
             torch.ops.load_library(str(lib))                           # loaded: tmp may go
             library = ctypes.CDLL(str(lib))
             _install, decode_step = library.minipaged_install_plan, library.minipaged_decode_step
+            step_products = library.minipaged_step_products
         except (OSError, subprocess.SubprocessError) as e:
             return f"{Path(cxx).name} could not build {SOURCE.name}: {build_error(e)}"
     _install.argtypes, _install.restype = [ctypes.c_void_p], ctypes.c_void_p
     decode_step.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
     decode_step.restype = ctypes.c_int
+    step_products.argtypes, step_products.restype = [ctypes.c_void_p, ctypes.c_int64], None
     matvec.panel_helper(False)        # (where panel_kernel's copy had one running)
     matvec.add_helper("operators", library.panel_helper, library.panel_helper_state,
                       library.panel_helper_stall)
