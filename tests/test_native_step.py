@@ -102,6 +102,12 @@ def test_the_one_call_leaves_other_steps_to_the_graphs(compiled):
             fast(torch.tensor([PROMPTS[0]]), paged)
         paged.prepare(list(range(rows)), 1)
         assert fast.native(torch.full((rows, 1), 9), paged) is None              # too many
+        paged.free(rows - 1)
+        paged.prepare(list(range(rows - 1)), 1)
+        vocab, pool = fast.args.vocab_size, paged.managers[0].k_cache_paged.clone()
+        for bad in (vocab, -1):                      # nothing written, the graph says why
+            assert fast.native(torch.tensor([[5]] * (rows - 2) + [[bad]]), paged) is None
+            assert torch.equal(paged.managers[0].k_cache_paged, pool)
         contiguous = ContiguousCache(fast.args, 1, 8, dtype=dtype)
         contiguous.prepare([0], 5)
         fast(torch.tensor([PROMPTS[0]]), contiguous)

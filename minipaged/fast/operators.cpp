@@ -240,7 +240,8 @@ static void rotate(float *x, int64_t heads, int64_t D, const float *freqs, int64
 }
 
 // logits (rows, vocab) float32 of tokens (rows,) at positions (rows,); 0, else -1 where the
-// installed plan does not serve the step (nothing was written then)
+// installed plan does not serve the step or a token lies outside the vocabulary (nothing was
+// written then: the caller's other path says what is wrong)
 extern "C" int minipaged_decode_step(const StepModel *m, const int64_t *tokens,
                                      const int64_t *positions, int64_t rows, float *logits) {
     const DecodePlan *p = installed;
@@ -249,6 +250,9 @@ extern "C" int minipaged_decode_step(const StepModel *m, const int64_t *tokens,
     if (!p || p->rows != M || p->layers != m->layers || p->heads != Hq || p->kv_heads != Hk ||
         p->head_dim != D || p->bf16 != m->bf16)
         return -1;
+    for (int64_t r = 0; r < M; r++)
+        if (tokens[r] < 0 || tokens[r] >= m->vocab)
+            return -1;
     const int64_t width = (Hq + 2 * Hk) * D;
     std::vector<float> h(M * dim), a(M * dim), qkv(M * width), q(M * Hq * D), k(M * Hk * D),
         v(M * Hk * D), att(M * Hq * D), o(M * dim), gu(M * 2 * m->hidden), s(M * m->hidden);
