@@ -81,9 +81,9 @@ class NativeStep:
         layers = (StepLayer * len(fast.layers))()
         for layer, into in zip(fast.layers, layers):
             norms = [w.contiguous() for w in (layer.attention_norm, layer.ffn_norm)]
-            self.tensors += norms
-            into.wqkv, into.wo, into.w13, into.w2 = (
-                m.panels.data_ptr() for m in (layer.wqkv, layer.wo, layer.w13, layer.w2))
+            panels = [m.panels for m in (layer.wqkv, layer.wo, layer.w13, layer.w2)]
+            self.tensors += norms + panels   # kept alive, as a frozen graph keeps its weights
+            into.wqkv, into.wo, into.w13, into.w2 = (w.data_ptr() for w in panels)
             into.attention_norm, into.ffn_norm = (w.data_ptr() for w in norms)
         self.layers = layers
         self.model = StepModel(
@@ -91,6 +91,7 @@ class NativeStep:
             first.head_dim, fast.output.out_features, self.dtype == torch.bfloat16, first.eps,
             fast.norm.eps, self.tensors[0].data_ptr(), self.freqs.data_ptr(), layers,
             self.tensors[1].data_ptr(), fast.output.panels.data_ptr())
+        self.tensors.append(fast.output.panels)
 
     def __call__(self, tokens, cache, last_only: bool = False, logits_indices=None):
         """Logits as `FusedLlama.forward` gives them for a decode step on `cache` (every row
