@@ -80,7 +80,7 @@ def attention_kernel(dtype: torch.dtype, head_dim: int = 64, group: int = 3) -> 
 def step_kernel(dtype: torch.dtype) -> str:
     """What runs a decode step of a FusedLlama of `dtype` compiled by `compile_decode`, on the
     speed layer's paged cache (native_step.py)."""
-    if dtype not in (torch.float32, torch.bfloat16):
+    if dtype not in native_step.DTYPES:
         return "the compiled graph (the one-call step takes float32 or bfloat16)"
     if matvec.panel_weight(torch.zeros(matvec.PANEL, 8, dtype=dtype)) is None:
         return "the compiled graph (the products have no panels: the one-call step needs them)"

@@ -34,6 +34,7 @@ from .paged import decode_attention_of
 # six: float32 4 rows 13.9 against 16.1 compiled, 8 rows 18.9 against 19.6, 16 rows 24.5
 # against 23.8; bfloat16 4 rows 9.3 against 9.4, 8 rows 13.8 against 12.2).
 MOST_ROWS = 4
+DTYPES = (torch.float32, torch.bfloat16)      # the models' dtypes it takes (on the CPU)
 
 
 class StepLayer(ctypes.Structure):
@@ -57,7 +58,7 @@ def why_not_native(fast) -> str | None:
     p = next(fast.parameters())
     if operators.decode_step is None:
         return "operators.cpp is not built (compile_decode builds it)"
-    if p.device.type != "cpu" or p.dtype not in (torch.float32, torch.bfloat16):
+    if p.device.type != "cpu" or p.dtype not in DTYPES:
         return f"the model is {p.dtype} on {p.device.type}: the step takes float32 or " \
                "bfloat16 on the CPU"
     products = [m for layer in fast.layers for m in (layer.wqkv, layer.wo, layer.w13, layer.w2)]
