@@ -78,7 +78,7 @@ def test_the_panel_kernel_builds_for_this_cpus_vector_width():
     assert report["products"] == f"panels.c ({matvec.built_isa}), float32 weights; past " \
         f"{matvec.MOST_ROWS} rows, torch's product"
     assert report["attention"].startswith("cpu_attention.c (")
-    assert report["decode step"].startswith("one C++ call up to 4 rows")
+    assert report["decode step"].startswith("one C++ call up to 64 rows")
     assert set(report) == {"cpu", "built for", "products", "one row", "attention",
                            "decode step"}
 

@@ -92,7 +92,7 @@ def test_the_one_call_leaves_other_steps_to_the_graphs(compiled):
     model, fast = compiled
     dtype = next(model.parameters()).dtype
     rows = native_step.MOST_ROWS + 1
-    paged = FastPagedCache(fast.args, num_blocks=40, block_size=4, max_seqs=rows,
+    paged = FastPagedCache(fast.args, num_blocks=2 * rows + 2, block_size=4, max_seqs=rows,
                            max_seq_len=40, dtype=dtype)
     with torch.inference_mode():
         paged.prepare([0], 5)
@@ -144,3 +144,24 @@ def test_the_benchmarks_time_the_products_as_the_one_call_makes_them(compiled, m
         assert smollm2.products_seconds(fast) > 0 and asked == [1, native_step.MOST_ROWS]
     finally:
         fast.native = native
+
+
+def test_the_steps_swiglu_is_torchs_over_every_range_of_gate(compiled):
+    """operators.cpp's SwiGLU (its own vectorized exponential, no branch) against silu in
+    float64, for gates from -200 to 200, the largest floats, infinities and NaN: within four
+    float32 roundings of the value, or 5e-36 from it where it is as small as that (past a gate
+    of -87, where the step's gives -0, as torch's does in float32 a little further on)."""
+    from minipaged.fast import operators
+
+    gate = torch.cat([torch.linspace(-200, 200, 400_001), torch.tensor(
+        [0.0, -0.0, 1e-30, -1e-30, 3e38, -3e38, float("inf"), float("-inf"), float("nan")])])
+    up = torch.cat([torch.linspace(-3, 3, 400_001), torch.ones(9)])
+    got = torch.empty(len(gate))
+    both = torch.stack([gate, up])                                # (1 row, gate then up)
+    operators.swiglu(both.data_ptr(), got.data_ptr(), 1, len(gate))
+    want = torch.nn.functional.silu(gate.double()) * up.double()
+    finite = want.isfinite()
+    error = (got.double() - want).abs()[finite]
+    assert (error <= 4 * 2 ** -24 * want.abs()[finite] + 5e-36).all(), float(error.max())
+    assert torch.equal(got[~finite].isnan(), want[~finite].isnan())
+    assert torch.equal(got[~finite & ~want.isnan()], want[~finite & ~want.isnan()].float())

@@ -31,7 +31,7 @@ other steps through the cache's `attend`. Two graphs:
 their calls stay out of Python; where no C++ compiler builds them, their Python functions serve
 them, and the graph of one row keeps the compiler's products. Where they build, it also gives
 the model a decode step without a graph (`fast.native`, native_step.py): on the speed layer's
-paged cache, a decode step of up to 4 rows is one C++ call, and the graphs serve the rest.
+paged cache, a decode step of up to 64 rows is one C++ call, and the graphs serve the rest.
 
 Both graphs are compiled with inductor's `cpp_wrapper`: the code that calls a graph's kernels
 and the two operators one after another, hundreds of calls a step, is generated C++ rather than

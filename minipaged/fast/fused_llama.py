@@ -105,7 +105,7 @@ class FusedLlama(nn.Module):
         """As `Llama.forward`: logits (B, T, vocab) float32, (B, 1, vocab) with `last_only`,
         (B, K, vocab) at `logits_indices`. On a cache, steps run compiled once `compile_decode`
         has compiled them (compiled.py): one sequence's decode step, and with `batches=True`
-        every other step; a decode step of up to 4 rows on the speed layer's paged cache runs
+        every other step; a decode step of up to 64 rows on the speed layer's paged cache runs
         as one C++ call instead (`self.native`, native_step.py)."""
         B, T = tokens.shape
         if self.native is not None and cache is not None:       # native_step.py

@@ -12,7 +12,7 @@ print this beside their figures; call it for your own code:
     >>> kernels(torch.bfloat16)
     {'cpu': 'AMD EPYC ... (avx2 fma f16c avx512f avx512_bf16)', 'built for': 'native',
      'products': 'panels.c (avx512), bf16 weights', 'one row': ..., 'attention': ...,
-     'decode step': 'one C++ call up to 4 rows (operators.cpp); more rows, the compiled graph'}
+     'decode step': 'one C++ call up to 64 rows (operators.cpp); more rows, the compiled graph'}
 """
 
 from __future__ import annotations

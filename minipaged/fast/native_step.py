@@ -10,8 +10,11 @@ paged cache (every row one new token, on stage 3b's kernel: a `DecodeAttention`)
 too, `minipaged_decode_step` in operators.cpp: the same products (panels.c), the same attention
 (the plan `DecodeAttention.address` lays out), and between them the layer's small operations —
 RMSNorm, the rotary pairs, the residual adds, SwiGLU — as plain loops over float32 rows, rounded
-to bfloat16 wherever a bfloat16 model stores its tensors. The numbers are the model's up to the
-order of the sums, as the compiled step's are.
+to bfloat16 wherever a bfloat16 model stores its tensors. The loops are written so that the
+compiler vectorizes them (operators.cpp is built for the CPU, as panels.c is): SwiGLU's
+exponential is a polynomial of its own rather than a call into the C library, which, at 16
+rows, had cost 1.4 ms a step. The numbers are the model's up to the order of the sums, as the
+compiled step's are.
 
 Every other step (a prompt, a packed step with prompt tokens, the contiguous cache, a model with
 a product panels.c does not serve) goes to the compiled graphs as before: `__call__` returns
@@ -28,12 +31,17 @@ import torch
 from . import operators
 from .paged import decode_attention_of
 
-# Most rows a step serves. Its small operations are plain loops on one thread: past a few rows
-# the compiled graph's loops, vectorized and on every thread, win back more than the calls
-# cost (SmolLM2 on the 2-core AMD EPYC, decode steps in ms, the two ways in turns, medians of
-# six: float32 4 rows 13.9 against 16.1 compiled, 8 rows 18.9 against 19.6, 16 rows 24.5
-# against 23.8; bfloat16 4 rows 9.3 against 9.4, 8 rows 13.8 against 12.2).
-MOST_ROWS = 4
+# Most rows a step serves: 64, where panels.c's bfloat16 products of many rows hand over to
+# torch's (matvec.DOT_ROWS), and as many as the serving benchmark's largest workload runs.
+# Up to there the one call is as fast as the compiled graph or faster (SmolLM2 on the 2-core
+# AMD EPYC, decode steps in ms, the two ways in turns, medians; one call against the graph):
+#
+#     build     dtype      1 row        8 rows       16 rows      64 rows
+#     AVX-512   float32    12.0 / 13.2  12.3 / 13.7  14.4 / 15.3  47.4 / 48.7
+#     AVX-512   bfloat16    5.1 / 5.3    6.5 / 8.4    9.5 / 10.6  36.1 / 40.9
+#     AVX2      float32    11.6 / 12.7  13.8 / 15.4  25.7 / 27.1  98.0 / 97.4
+#     AVX2      bfloat16    5.5 / 5.5   13.1 / 14.8  26.6 / 29.6  100.2 / 103.9
+MOST_ROWS = 64
 DTYPES = (torch.float32, torch.bfloat16)      # the models' dtypes it takes (on the CPU)
 
 

@@ -210,15 +210,25 @@ static void product(const void *panels, const float *x, float *y, int64_t M, int
     keep(y, M * N, bf16);
 }
 
+// x . x, summed in 16 running sums (each one a lane of the vector the compiler makes of them)
+static float sum_of_squares(const float *x, int64_t n) {
+    float lanes[16] = {};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) lanes[j] += x[i + j] * x[i + j];
+    for (; i < n; i++) lanes[0] += x[i] * x[i];
+    float sum = 0;
+    for (float lane : lanes) sum += lane;
+    return sum;
+}
+
 // RMSNorm as the model's: x / sqrt(mean(x^2) + eps) in float32, rounded, then times the weight
 static void rms_norm(const float *x, const void *weight, float *y, int64_t M, int64_t dim,
                      float eps, bool bf16) {
     for (int64_t m = 0; m < M; m++) {
         const float *xm = x + m * dim;
         float *ym = y + m * dim;
-        float sum = 0;
-        for (int64_t i = 0; i < dim; i++) sum += xm[i] * xm[i];
-        const float r = 1.0f / std::sqrt(sum / dim + eps);
+        const float r = 1.0f / std::sqrt(sum_of_squares(xm, dim) / dim + eps);
         for (int64_t i = 0; i < dim; i++) ym[i] = xm[i] * r;
         keep(ym, dim, bf16);
         for (int64_t i = 0; i < dim; i++) ym[i] *= at_(weight, i, bf16);
@@ -226,16 +236,51 @@ static void rms_norm(const float *x, const void *weight, float *y, int64_t M, in
     }
 }
 
-// Meta's interleaved rotary pairs (even, odd) of `heads` heads of x, at position pos
-static void rotate(float *x, int64_t heads, int64_t D, const float *freqs, int64_t pos) {
-    for (int64_t i = 0; i < D / 2; i++) {
-        const float angle = static_cast<float>(pos) * freqs[i];
-        const float c = std::cos(angle), s = std::sin(angle);
-        for (int64_t h = 0; h < heads; h++) {
+// Meta's interleaved rotary pairs (even, odd) of `heads` heads of x, by the angles whose
+// cosines and sines are cos[i], sin[i] (D / 2 of each: the row's position times each frequency)
+static void rotate(float *x, int64_t heads, int64_t D, const float *cos, const float *sin) {
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t i = 0; i < D / 2; i++) {
             float *e = x + h * D + 2 * i, even = e[0], odd = e[1];
-            e[0] = even * c - odd * s;
-            e[1] = odd * c + even * s;
+            e[0] = even * cos[i] - odd * sin[i];
+            e[1] = odd * cos[i] + even * sin[i];
         }
+}
+
+static float from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+static uint32_t to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+// e^t for t in [-87, 0], within 2 ulp: t = n ln 2 + r with |r| <= ln 2 / 2 (n rounded by adding
+// and taking away 1.5 * 2^23), e^r by its Taylor series to r^7 (the rest < 1e-8), times 2^n
+// built from its exponent bits. No branch and no call, so the compiler vectorizes its loop.
+static float exp_nonpositive(float t) {
+    const float n = (t * 1.44269504f + 12582912.0f) - 12582912.0f;
+    const float r = (t - n * 0.693145751953125f) - n * 1.42860677e-06f;   // ln 2 in two parts
+    float p = 1.0f / 5040;
+    for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+        p = p * r + c;
+    return p * from_bits(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+}
+
+// SiLU, g / (1 + e^-g), from e = e^-|g| so no exponential overflows: for g >= 0, g / (1 + e);
+// for g < 0, g e / (1 + e). Chosen by masks made of the sign and the size, not by branches (a
+// branch on a float keeps the compiler from vectorizing the loop). Past |g| = 87, e^-|g| is
+// below float32's normal numbers: there e^-87 stands in for it, and g < -87 gives -0, as
+// torch's silu gives in float32.
+static float silu(float g) {
+    const uint32_t u = to_bits(g), magnitude = u & 0x7fffffffu, far = 0x42ae0000u;   // 87.0f
+    const float e = exp_nonpositive(from_bits(std::min(magnitude, far) | 0x80000000u));
+    const uint32_t negative = static_cast<uint32_t>(static_cast<int32_t>(u) >> 31);
+    const uint32_t beyond = 0u - static_cast<uint32_t>(magnitude > far);   // all ones past 87
+    return g * from_bits((to_bits(e) & negative & ~beyond) | (to_bits(1.0f) & ~negative)) /
+           (1.0f + e);
+}
+
+// SwiGLU: out (rows, hidden) = silu(gate) * up, of gate_up (rows, 2 * hidden), gate then up
+extern "C" void minipaged_swiglu(const float *gate_up, float *out, int64_t rows, int64_t hidden) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * hidden, *up = gate + hidden;
+        for (int64_t i = 0; i < hidden; i++) out[r * hidden + i] = silu(gate[i]) * up[i];
     }
 }
 
@@ -257,6 +302,12 @@ extern "C" int minipaged_decode_step(const StepModel *m, const int64_t *tokens,
     std::vector<float> h(M * dim), a(M * dim), qkv(M * width), q(M * Hq * D), k(M * Hk * D),
         v(M * Hk * D), att(M * Hq * D), o(M * dim), gu(M * 2 * m->hidden), s(M * m->hidden);
     std::vector<c10::BFloat16> k16(bf16 ? M * Hk * D : 0), v16(bf16 ? M * Hk * D : 0);
+    std::vector<float> cosines(M * D / 2), sines(M * D / 2);    // each row's rotary angles
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t i = 0; i < D / 2; i++) {
+            const float angle = static_cast<float>(positions[r]) * m->freqs[i];
+            cosines[r * D / 2 + i] = std::cos(angle), sines[r * D / 2 + i] = std::sin(angle);
+        }
     for (int64_t r = 0; r < M; r++)
         for (int64_t i = 0; i < dim; i++) h[r * dim + i] = at_(m->embedding, tokens[r] * dim + i, bf16);
     for (int64_t l = 0; l < m->layers; l++) {
@@ -269,8 +320,9 @@ extern "C" int minipaged_decode_step(const StepModel *m, const int64_t *tokens,
             std::memcpy(qr, row, Hq * D * sizeof(float));
             std::memcpy(kr, row + Hq * D, Hk * D * sizeof(float));
             std::memcpy(v.data() + r * Hk * D, row + (Hq + Hk) * D, Hk * D * sizeof(float));
-            rotate(qr, Hq, D, m->freqs, positions[r]);
-            rotate(kr, Hk, D, m->freqs, positions[r]);
+            const float *c = cosines.data() + r * D / 2, *sn = sines.data() + r * D / 2;
+            rotate(qr, Hq, D, c, sn);
+            rotate(kr, Hk, D, c, sn);
         }
         keep(q.data(), q.size(), bf16);
         keep(k.data(), k.size(), bf16);
@@ -288,11 +340,7 @@ extern "C" int minipaged_decode_step(const StepModel *m, const int64_t *tokens,
         keep(h.data(), h.size(), bf16);
         rms_norm(h.data(), w.ffn_norm, a.data(), M, dim, m->eps, bf16);
         product(w.w13, a.data(), gu.data(), M, 2 * m->hidden, dim, bf16);
-        for (int64_t r = 0; r < M; r++)                         // SwiGLU: silu(gate) * up
-            for (int64_t i = 0; i < m->hidden; i++) {
-                const float g = gu[r * 2 * m->hidden + i], u = gu[r * 2 * m->hidden + m->hidden + i];
-                s[r * m->hidden + i] = g / (1.0f + std::exp(-g)) * u;
-            }
+        minipaged_swiglu(gu.data(), s.data(), M, m->hidden);
         keep(s.data(), s.size(), bf16);
         product(w.w2, s.data(), o.data(), M, dim, m->hidden, bf16);
         for (int64_t i = 0; i < M * dim; i++) h[i] += o[i];

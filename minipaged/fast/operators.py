@@ -30,8 +30,9 @@ turns, two of each, medians of five (the 2-core Intel machine of the serving ben
 Before, a layer's attention at one row spent 35 of its 63 microseconds in Python around the
 kernel, and the trip from the compiled graph into Python came on top.
 
-The same library holds `minipaged_decode_step`: a decode step of a few rows as one call, on the
-installed plan (native_step.py).
+The same library holds `minipaged_decode_step`: a decode step of up to 64 rows as one call, on
+the installed plan (native_step.py). It is built for this CPU, as panels.c is (`target_flags`:
+AVX-512, AVX2 or NEON code), so that the step's small loops are vectorized.
 
 The build takes a few seconds, once a process, and needs the C compiler panels.c builds with
 and a C++ compiler ($CXX, else c++, g++ or clang++); where either is missing, `build` returns a
@@ -51,13 +52,14 @@ from pathlib import Path
 
 import torch
 
-from ..cpu_attention import build_error, compiler
+from ..cpu_attention import build_error, compiler, target_flags
 from . import matvec
 
 SOURCE = Path(__file__).with_name("operators.cpp")
 _install = None          # operators.cpp's `minipaged_install_plan`, once built
 decode_step = None       # and its `minipaged_decode_step` (native_step.py)
 step_products = None     # and `minipaged_step_products` (the benchmarks time it)
+swiglu = None            # and `minipaged_swiglu`, the step's SwiGLU (the tests check it)
 
 
 class DecodePlan(ctypes.Structure):
@@ -82,7 +84,7 @@ def cxx_compiler() -> str | None:
 def build() -> str | None:
     """Build operators.cpp and register its kernels (the module's docstring); None once they
     are, else a sentence saying why not. Once a process: `compile_decode` asks for it."""
-    global _install, decode_step, step_products
+    global _install, decode_step, step_products, swiglu
     kernel = matvec.panel_kernel()
     if isinstance(kernel, str):
         return kernel
@@ -95,7 +97,7 @@ def build() -> str | None:
         obj, lib = Path(tmp, "panels.o"), Path(tmp, "operators.so")
         steps = [[compiler(), *cflags, "-fPIC", "-c", str(SOURCE.with_name("panels.c")), "-o",
                   str(obj)],
-                 [cxx, "-O2", "-std=c++20", "-fPIC", "-shared", str(SOURCE), str(obj), "-o",
+                 [cxx, "-O3", *target_flags(), "-std=c++20", "-fPIC", "-shared", str(SOURCE), str(obj), "-o",
                   str(lib), f"-DPANEL={matvec.PANEL}",
                   f"-DMOST_ROWS={matvec.most_rows(torch.float32)}",
                   f"-DMOST_BF16_ROWS={matvec.most_rows(torch.bfloat16)}",
@@ -108,13 +110,15 @@ def build() -> str | None:
             torch.ops.load_library(str(lib))                           # loaded: tmp may go
             library = ctypes.CDLL(str(lib))
             _install, decode_step = library.minipaged_install_plan, library.minipaged_decode_step
-            step_products = library.minipaged_step_products
+            step_products, swiglu = library.minipaged_step_products, library.minipaged_swiglu
         except (OSError, subprocess.SubprocessError) as e:
             return f"{Path(cxx).name} could not build {SOURCE.name}: {build_error(e)}"
     _install.argtypes, _install.restype = [ctypes.c_void_p], ctypes.c_void_p
     decode_step.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
     decode_step.restype = ctypes.c_int
     step_products.argtypes, step_products.restype = [ctypes.c_void_p, ctypes.c_int64], None
+    swiglu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    swiglu.restype = None
     matvec.panel_helper(False)        # (where panel_kernel's copy had one running)
     matvec.add_helper("operators", library.panel_helper, library.panel_helper_state,
                       library.panel_helper_stall)
