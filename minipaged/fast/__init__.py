@@ -11,7 +11,7 @@
                     thread fewer; optional, eager when it cannot
     operators.py    the compiled steps' two operators (products, attention) with their CPU
                     kernels in C++ (operators.cpp), so that a step's calls stay out of Python
-    native_step.py  NativeStep: a decode step of a few rows on the paged cache as one C++ call
+    native_step.py  NativeStep: a decode step of up to 64 rows on the paged cache as one C++ call
                     (operators.cpp), no graph around it; compile_decode attaches it
     contiguous.py   FastContiguousCache: stage 1's contiguous cache, decode row by row over views
     paged.py        FastPagedCache, FastEngine: stage 3's paged cache with a step's bookkeeping

@@ -5,7 +5,7 @@ the CPU that `MINIPAGED_MARCH` names), and each computes with the widest vectors
 offers (`minipaged/simd.h`: avx512, avx2, neon, or plain). What a product runs depends on
 that and on the dtype (matvec.py): panels.c, oneDNN's packed kernel, or torch's own product;
 attention runs stage 3b's C kernel where it builds, else stage 3's PyTorch path; a compiled
-model's decode step of a few rows is one C++ call where operators.cpp builds. The benchmarks
+model's decode step of up to 64 rows is one C++ call where operators.cpp builds. The benchmarks
 print this beside their figures; call it for your own code:
 
     >>> from minipaged.fast import kernels

@@ -13,7 +13,7 @@
 //                            into it by int8_slots.c), then stage 3b's C kernel. With no plan, or a call the plan does not fit, the
 //                            operator's Python function (compiled.py's `attend`), through
 //                            `minipaged::attend_python`.
-// and, for native_step.py, a whole decode step of a few rows on the installed plan as one call
+// and, for native_step.py, a whole decode step of up to 64 rows on the installed plan as one call
 // (`minipaged_decode_step`, at the end of this file).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -97,8 +97,8 @@ def build() -> str | None:
         obj, lib = Path(tmp, "panels.o"), Path(tmp, "operators.so")
         steps = [[compiler(), *cflags, "-fPIC", "-c", str(SOURCE.with_name("panels.c")), "-o",
                   str(obj)],
-                 [cxx, "-O3", *target_flags(), "-std=c++20", "-fPIC", "-shared", str(SOURCE), str(obj), "-o",
-                  str(lib), f"-DPANEL={matvec.PANEL}",
+                 [cxx, "-O3", *target_flags(), "-std=c++20", "-fPIC", "-shared", str(SOURCE),
+                  str(obj), "-o", str(lib), f"-DPANEL={matvec.PANEL}",
                   f"-DMOST_ROWS={matvec.most_rows(torch.float32)}",
                   f"-DMOST_BF16_ROWS={matvec.most_rows(torch.bfloat16)}",
                   f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
