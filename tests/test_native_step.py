@@ -1,6 +1,12 @@
 """The decode step as one C++ call (minipaged/fast/native_step.py) against ground truth: the
 no-cache forward of stage 1's model, step after step, and the tokens of the compiled graphs."""
 
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -147,6 +153,23 @@ def test_the_benchmarks_time_the_products_as_the_one_call_makes_them(compiled, m
 
 
 def test_the_steps_swiglu_is_torchs_over_every_range_of_gate():
+    check_swiglu()
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 builds")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_the_avx2_and_plain_x86_builds_give_the_same_swiglu(march):
+    """operators.cpp built for AVX2 and for plain x86-64 (MINIPAGED_MARCH, in a process of its
+    own: a process builds it once): the same check of its SwiGLU."""
+    env = {**os.environ, "MINIPAGED_MARCH": march,
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    run = subprocess.run([sys.executable, "-c", "import test_native_step; "
+                          "test_native_step.check_swiglu()"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def check_swiglu():
     """operators.cpp's SwiGLU (its own vectorized exponential, no branch) against silu in
     float64, for gates from -200 to 200, the largest floats, infinities and NaN: within four
     float32 roundings of the value, or 5e-36 from it where it is as small as that (past a gate
