@@ -186,17 +186,20 @@ static float at_(const void *p, int64_t i, bool bf16) {     // element i, widene
                 : static_cast<const float *>(p)[i];
 }
 
+// The float of given bits, and a float's bits
+static float from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+static uint32_t to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
 // Rounded as the model stores it: to bfloat16's nearest, ties to even, as c10::BFloat16 rounds
 // (a NaN stays a NaN), in integer arithmetic the compiler vectorizes
 static void keep(float *x, int64_t n, bool bf16) {
     if (!bf16)
         return;
     for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        std::memcpy(&u, x + i, 4);
+        const uint32_t u = to_bits(x[i]);
         const uint32_t rounded = (u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u;
-        u = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) & 0xffff0000u : rounded;
-        std::memcpy(x + i, &u, 4);
+        x[i] = from_bits((u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) & 0xffff0000u
+                                                        : rounded);
     }
 }
 
@@ -246,9 +249,6 @@ static void rotate(float *x, int64_t heads, int64_t D, const float *cos, const f
             e[1] = odd * cos[i] + even * sin[i];
         }
 }
-
-static float from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-static uint32_t to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 
 // e^t for t in [-87, 0], within 2 ulp: t = n ln 2 + r with |r| <= ln 2 / 2 (n rounded by adding
 // and taking away 1.5 * 2^23), e^r by its Taylor series to r^7 (the rest < 1e-8), times 2^n
