@@ -21,7 +21,7 @@ import torch
 
 from minipaged import UsageError, backends, cpu_attention
 from minipaged.fast import paged as paged_module
-from minipaged.fast.paged import QUERIES_AS_ROWS, PagedStep, attend_step, fast_backend, plan_step
+from minipaged.fast.paged import QUERIES_AS_ROWS, ROW_KEYS, PagedStep, attend_step, fast_backend, plan_step
 from minipaged.paged_attention import flash_attn_with_kvcache
 
 BACKENDS = ["torch", "cpu", "triton"]
@@ -169,18 +169,20 @@ def test_a_planned_step_matches_the_dense_reference_in_every_layer(block_size, s
 
 @pytest.mark.parametrize("T", [2, 5, QUERIES_AS_ROWS, QUERIES_AS_ROWS + 1, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_few_tokens_per_row_through_the_c_kernel(T, dtype, monkeypatch):
-    """A step of T > 1 tokens per row on the "cpu" backend (a speculative verify pass): up to
-    QUERIES_AS_ROWS tokens each query is a decode row of the C kernel, past it each row's keys
-    are gathered for PyTorch's flash attention (`attend_chunks`: the whole prompt in row 0, a
-    chunk after cached tokens in the others); either way the dense reference's numbers, and,
-    through the kernel, each query's output is exactly that of a one-token decode step at its
-    position."""
+@pytest.mark.parametrize("longest", [None, ROW_KEYS, ROW_KEYS + 1])
+def test_several_tokens_per_row_through_the_c_kernel(T, dtype, longest, monkeypatch):
+    """A step of T > 1 tokens per row on the "cpu" backend (a speculative verify pass, a prompt
+    or a chunk of one): up to QUERIES_AS_ROWS tokens, or where no row reads more than ROW_KEYS
+    keys, each query is a decode row of the C kernel; else each row's keys are gathered for
+    PyTorch's flash attention (`attend_chunks`: the whole prompt in row 0, a chunk after cached
+    tokens in the others). Either way the dense reference's numbers, and, through the kernel,
+    each query's output is exactly that of a one-token decode step at its position."""
     if cpu_attention.why_not_cpu(torch.zeros(1, 1, 4, 8), torch.zeros(1, 4, 2, 8)):
         pytest.skip("no C compiler builds stage 3b's kernel here")
     gen = torch.Generator().manual_seed(T)
     n_layers, B, Hk, group, D, block_size = 2, 3, 2, 2, 8, 4
-    lengths = [0, 7, 12]                          # empty, mid-block, on a block boundary
+    # empty, mid-block, on a block boundary; or the last row reading `longest` keys in all
+    lengths = [0, 7, 12 if longest is None else longest - T]
     max_blocks = -(-(max(lengths) + T) // block_size)
     num_blocks = B * max_blocks + 2
     tables = torch.stack([torch.randperm(num_blocks, generator=gen, dtype=torch.int32)
@@ -199,11 +201,12 @@ def test_a_few_tokens_per_row_through_the_c_kernel(T, dtype, monkeypatch):
     step = plan_step(tables, torch.tensor(lengths, dtype=torch.int32), T, block_size)
     kc, vc = k_cache.clone(), v_cache.clone()
     out = attend_step(q, k, v, kc, vc, step, layer, "cpu")
-    assert kernel_rows == ([B * T] if T <= QUERIES_AS_ROWS else [])
+    as_rows = T <= QUERIES_AS_ROWS or longest in (None, ROW_KEYS)
+    assert kernel_rows == ([B * T] if as_rows else [])
     assert torch.equal(kc.float(), k_after.to(dtype).float())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
-    if T > QUERIES_AS_ROWS:
+    if not as_rows:
         return
     # the same tokens one at a time, as decode steps: the same numbers, bit for bit
     kc, vc = k_cache.clone(), v_cache.clone()

@@ -303,7 +303,8 @@ def tiny32():
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 def test_the_speed_layers_engine_speculates_exactly(tiny32, block_size, monkeypatch):
     """`minipaged.fast.FastEngine` takes stage 7's options; where the C kernel builds, its
-    verify pass attends through it, each query a decode row (`attend_queries_as_rows`).
+    verify pass attends through it (as the prompts do), each query a decode row
+    (`attend_queries_as_rows`).
     Greedy: the no-cache forward's tokens for every k, drafts found and accepted."""
     from minipaged.fast import FastEngine, paged
     model, reference = tiny32
@@ -320,7 +321,7 @@ def test_the_speed_layers_engine_speculates_exactly(tiny32, block_size, monkeypa
         assert [r.output for r in engine.run()] == reference, k
         assert engine.spec.accepted_tokens > 0, k
     if not paged.why_not_cpu(torch.zeros(1, 1, 4, 16), torch.zeros(1, 4, 2, 16)):
-        assert through_kernel and max(through_kernel) == 1 + max(KS)
+        assert 1 + max(KS) in through_kernel        # the widest verify pass: 1 + 8 tokens
 
 
 def test_engine_is_the_speculative_engine_and_off_by_default(tiny, reference):

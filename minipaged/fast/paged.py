@@ -118,10 +118,10 @@ def attend_step(q, k, v, k_cache, v_cache, step: PagedStep, layer: int, name: st
     slots = step.slot_mapping[layer]                                          # (B * T,)
     k_cache.view(-1, *k.shape[2:]).index_copy_(0, slots, k.reshape(-1, *k.shape[2:]))
     v_cache.view(-1, *v.shape[2:]).index_copy_(0, slots, v.reshape(-1, *v.shape[2:]))
-    table = step.tables[layer]
-    if name == "cpu" and 1 < q.shape[1] <= QUERIES_AS_ROWS and k_cache.dtype in KV_TYPES:
+    table, T = step.tables[layer], q.shape[1]
+    if name == "cpu" and T > 1 and k_cache.dtype in KV_TYPES and queries_as_rows(T, step):
         return attend_queries_as_rows(q, k_cache, v_cache, table, step.seqlens_k)
-    if name == "cpu" and q.shape[1] > QUERIES_AS_ROWS or read is not None and name != "cpu":
+    if name == "cpu" and T > 1 or read is not None and name != "cpu":
         return attend_chunks(q, k_cache, v_cache, table, step.seqlens_k, read)
     if name == "torch" and q.shape[1] == 1:
         lens = step.seqlens_k.tolist()
@@ -130,15 +130,27 @@ def attend_step(q, k, v, k_cache, v_cache, step: PagedStep, layer: int, name: st
     return BACKENDS[name].attend(q, k_cache, v_cache, table, step.seqlens_k, True, None, 0)
 
 
-# Most tokens per row that `attend_queries_as_rows` serves. The kernel reads a row's keys once
-# per query, stage 3's gather path once per step: on the embedded model's shapes, over 1,000
-# cached tokens, the two cost about the same at 16 queries (at 5, the kernel takes half the time).
+# When `attend_queries_as_rows` serves a step of several tokens per row: up to QUERIES_AS_ROWS
+# tokens a row, or where no row reads more than ROW_KEYS keys. The kernel reads a row's keys once
+# per query, the gather path (`attend_chunks`) once per step. On the embedded model's shapes,
+# over 1,000 cached tokens, the two cost about the same at 16 queries (at 5, the kernel takes
+# half the time). On SmolLM2's (9 query heads over 3, 64 dimensions; AMD EPYC, Zen 5, 2
+# threads, float32 and bfloat16), the kernel took 0.44-0.76 of the gather path's time on whole
+# prompts of 17 to 512 tokens, 0.75-0.83 on chunks after as many cached tokens, and about the
+# same (0.94-1.08) past 1,000 keys a row: a prompt's attention goes through the kernel unless
+# the prompt is long.
 QUERIES_AS_ROWS = 16
+ROW_KEYS = 1024
+
+
+def queries_as_rows(T: int, step: PagedStep) -> bool:
+    """Whether a step of T new tokens per row attends through `attend_queries_as_rows`."""
+    return T <= QUERIES_AS_ROWS or int(step.seqlens_k.max()) <= ROW_KEYS
 
 
 def attend_queries_as_rows(q, k_cache, v_cache, table, seqlens_k):
-    """A step of a few new tokens per row (a speculative verify pass: the last token and its
-    drafts) through stage 3b's decode kernel: each query becomes a row of its own over its
+    """A step of several new tokens per row (a speculative verify pass: the last token and its
+    drafts; a prompt, or a chunk of one) through stage 3b's decode kernel: each query becomes a row of its own over its
     sequence's blocks, seeing the keys up to its own position (causal, bottom-right aligned).
     Each query gets the numbers a decode step at its position gets, without stage 3's gather,
     mask and padding: on the embedded model a verify pass of 1 + 4 tokens costs about 1.2 plain
