@@ -61,7 +61,8 @@ from rich.table import Table
 
 from .. import backends, cli
 from ..api import generate
-from ..fast import FastContiguousCache, FastEngine, FastPagedCache, FusedLlama, compile_decode
+from ..fast import (FastContiguousCache, FastEngine, FastPagedCache, FusedLlama, compile_decode,
+                    kernels)
 from ..fast.matvec import MatVec
 from ..formats import chat_format, load_model, load_tokenizer, packaged_model_path
 from ..formats.atomic import write_file
@@ -405,6 +406,11 @@ def main(argv=None):
             console.print(f"compiling minipaged.fast's decode step ({dtype_name}) ...")
             seconds = compile_decode(fast)
             notes.append(f"{dtype_name}: compile_decode took {seconds:.0f} s (not counted)")
+        ran = kernels(dtype, model.args.head_dim, model.args.n_heads // model.args.n_kv_heads)
+        console.print(f"minipaged.fast, {dtype_name}, on {ran['cpu']} (built for "
+                      f"{ran['built for']}): products {ran['products']}; one row "
+                      f"{ran['one row']}; attention {ran['attention']}" +
+                      ("" if args.no_compile else f"; decode steps {ran['decode step']}"))
         hf = load_transformers(path, dtype)
         peer = None
         if llama_cpp is not None:
