@@ -14,10 +14,11 @@ every layer but for the block ids. `FastPagedCache` does it once per step for al
     (`cpu_attention.py`) where it builds, else PyTorch, chosen once a step (`fast_backend`);
   * PyTorch decode steps whose rows differ in length attend row by row (`attend_rows`), reading
     only the blocks each row owns;
-  * a step of a few tokens per row (stage 7's verify pass) goes to the C kernel too, each query
-    a decode row of its own (`attend_queries_as_rows`);
-  * a step of many tokens per row (prompts and their chunks) gathers each row's blocks for
-    PyTorch's flash attention, in the cache's dtype (`attend_chunks`);
+  * a step of several tokens per row (stage 7's verify pass; a prompt, or a chunk of one, whose
+    rows read up to `ROW_KEYS` keys) goes to the C kernel too, each query a decode row of its
+    own (`attend_queries_as_rows`);
+  * a step of many tokens per row over longer rows (a long prompt's chunks) gathers each row's
+    blocks for PyTorch's flash attention, in the cache's dtype (`attend_chunks`);
   * a decode step (every row one new token) on the C kernel works out what every layer's
     attention needs once (`DecodeAttention`: slots, int64 tables, kernel arguments), so a
     layer is two copies and the kernel call;
