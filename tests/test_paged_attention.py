@@ -21,7 +21,8 @@ import torch
 
 from minipaged import UsageError, backends, cpu_attention
 from minipaged.fast import paged as paged_module
-from minipaged.fast.paged import QUERIES_AS_ROWS, ROW_KEYS, PagedStep, attend_step, fast_backend, plan_step
+from minipaged.fast.paged import (QUERIES_AS_ROWS, ROW_KEYS, PagedStep, attend_step, fast_backend,
+                                   plan_step)
 from minipaged.paged_attention import flash_attn_with_kvcache
 
 BACKENDS = ["torch", "cpu", "triton"]

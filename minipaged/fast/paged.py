@@ -151,11 +151,12 @@ def queries_as_rows(T: int, step: PagedStep) -> bool:
 
 def attend_queries_as_rows(q, k_cache, v_cache, table, seqlens_k):
     """A step of several new tokens per row (a speculative verify pass: the last token and its
-    drafts; a prompt, or a chunk of one) through stage 3b's decode kernel: each query becomes a row of its own over its
-    sequence's blocks, seeing the keys up to its own position (causal, bottom-right aligned).
-    Each query gets the numbers a decode step at its position gets, without stage 3's gather,
-    mask and padding: on the embedded model a verify pass of 1 + 4 tokens costs about 1.2 plain
-    steps at batch 1 and 1.9 at batch 16, against 1.4 and 7 through the gather path."""
+    drafts; a prompt, or a chunk of one) through stage 3b's decode kernel: each query becomes a
+    row of its own over its sequence's blocks, seeing the keys up to its own position (causal,
+    bottom-right aligned). Each query gets the numbers a decode step at its position gets,
+    without stage 3's gather, mask and padding: on the embedded model a verify pass of 1 + 4
+    tokens costs about 1.2 plain steps at batch 1 and 1.9 at batch 16, against 1.4 and 7
+    through the gather path."""
     B, T, Hq, D = q.shape
     lens = seqlens_k[:, None] - (T - 1) + torch.arange(T, device=seqlens_k.device)  # (B, T)
     y = decode_attention(q.reshape(B * T, 1, Hq, D), k_cache, v_cache,
